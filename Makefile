@@ -1,0 +1,46 @@
+# k3-lora-rl: every target works on a fresh clone; `make install` builds .venv once.
+PY        ?= python3
+VENV      ?= .venv
+BIN       := $(VENV)/bin
+STAMP     := $(VENV)/.installed
+PYTEST    := $(BIN)/python -m pytest
+export OMP_NUM_THREADS ?= 1
+export PYTHONUNBUFFERED := 1
+
+.PHONY: install test test-gpu smoke smoke-4layer acceptance-full bench clean help
+
+help:
+	@echo "make smoke            tiny K3 end to end on CPU: synth MXFP4 ckpt -> BF16 -> LoRA GRPO -> harness verdict"
+	@echo "make test             unit + parity tests (CPU); GPU/cluster tests skip without hardware"
+	@echo "make smoke-4layer     one 8-GPU node: 4layer K3 recipe, judged by the harness"
+	@echo "make acceptance-full  16x4 GPUs on an existing Ray cluster (RAY_ADDRESS): launch, watch, check, report"
+
+$(STAMP): pyproject.toml ci/constraints.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	# torch first and pinned, so no dependency can pull a multi-GB CUDA build
+	$(BIN)/pip install -q -c ci/constraints.txt torch==2.13.0
+	$(BIN)/pip install -q -c ci/constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: install
+	$(PYTEST) -n auto -q tests/unit tests/parity
+
+test-gpu: install
+	$(PYTEST) -q -m gpu tests/unit tests/parity
+
+smoke: install
+	$(BIN)/python -m k3.launch.smoke --run-dir runs/smoke
+
+smoke-4layer: install
+	bash ci/smoke_4layer.sh
+
+acceptance-full: install
+	bash ci/acceptance_full.sh
+
+bench: install
+	$(BIN)/python bench/kda_cpu.py
+
+clean:
+	rm -rf runs/ .pytest_cache build *.egg-info

@@ -1,0 +1,65 @@
+"""`k3`: the command line of k3-lora-rl.
+
+Each sub-command lives beside the code it drives and is registered here; imports are lazy so `k3 --help`
+stays fast and a missing optional dependency only affects its own command.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import typer
+
+app = typer.Typer(
+    name="k3",
+    help="LoRA RL for Kimi-K3: synthetic checkpoints, converters, data, GRPO training on the embedded engine "
+    "or SGLang.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+# (command name, "module:function") — each function is a typer command (annotated parameters).
+COMMANDS: list[tuple[str, str]] = [
+    ("make-checkpoint", "k3.checkpoint.cli:make_checkpoint"),
+    ("prepare-data", "k3.rl.cli:prepare_data"),
+    ("train", "k3.launch.train:train"),
+]
+# (group name, "module:typer app")
+GROUPS: list[tuple[str, str]] = [
+    ("convert", "k3.checkpoint.cli:convert_app"),
+]
+
+
+def _resolve(target: str):
+    mod, attr = target.split(":")
+    return getattr(importlib.import_module(mod), attr)
+
+
+def _register() -> None:
+    for name, target in COMMANDS:
+        try:
+            app.command(name)(_resolve(target))
+        except (ImportError, AttributeError) as e:  # a part not built yet must not break the others
+            _missing(name, target, e)
+    for name, target in GROUPS:
+        try:
+            app.add_typer(_resolve(target), name=name)
+        except (ImportError, AttributeError) as e:
+            _missing(name, target, e)
+
+
+def _missing(name: str, target: str, err: Exception) -> None:
+    @app.command(name, help=f"(unavailable: {err})")
+    def _unavailable() -> None:
+        typer.echo(f"k3 {name}: unavailable ({target}: {err})", err=True)
+        raise typer.Exit(2)
+
+
+def main() -> None:
+    _register()
+    app()
+
+
+if __name__ == "__main__":
+    main()
