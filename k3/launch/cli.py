@@ -39,7 +39,9 @@ def _resolve(target: str):
 def _register() -> None:
     for name, target in COMMANDS:
         try:
-            app.command(name)(_resolve(target))
+            fn = _resolve(target)
+            # A command may carry its own `app.command()` settings (`k3 train` hands its raw words to argparse).
+            app.command(name, **getattr(fn, "command_settings", {}))(fn)
         except (ImportError, AttributeError) as e:  # a part not built yet must not break the others
             _missing(name, target, e)
     for name, target in GROUPS:

@@ -1,0 +1,608 @@
+"""`k3 train` arguments: the recipe launcher's flags (``miles-k3-recipe.md`` §6.1) plus ours, and their
+resolution into the configuration a run actually uses.
+
+:class:`TrainArgs` holds one field per flag; the field ``rollout_batch_size`` is the flag
+``--rollout-batch-size`` and the environment variable ``K3_ROLLOUT_BATCH_SIZE`` (the recipe's
+``MILES_SCRIPT_<FIELD>``). A ``None`` default means "depends on --mode / --task / --model-variant";
+:func:`resolve` fills those in, derives the parallel layout, validates everything and returns a
+:class:`ResolvedConfig`. Errors are :class:`LaunchConfigError` and say which flag to change and to what.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import shlex
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from k3.config import variant
+from k3.launch.layout import LayoutError, ParallelLayout, derive_layout
+
+__all__ = [
+    "TrainArgs",
+    "ResolvedConfig",
+    "OptimizerSettings",
+    "GRPOSettings",
+    "RolloutSettings",
+    "DataSettings",
+    "MemorySettings",
+    "TrainingSettings",
+    "LaunchConfigError",
+    "resolve",
+    "new_run_id",
+    "MODES",
+    "TASKS",
+    "MODEL_VARIANTS",
+    "REWARD_MODELS",
+    "TARGET_MODULES",
+    "ENV_PREFIX",
+]
+
+MODES = ("debug_minimal", "normal")
+TASKS = ("gsm8k", "dapo-math")
+MODEL_VARIANTS = ("tiny", "4layer", "full")
+REWARD_MODELS = ("deterministic_random", "deepscaler", "math")
+BACKENDS = ("torch", "megatron")
+ROLLOUT_ENGINES = ("embedded", "sglang")
+PEAK_DEVICES = ("cpu", "gpu")
+OFFLOAD_ROLLOUT_LEVELS = ("kv_cache", "weight")
+ENV_PREFIX = "K3_"
+
+# The recipe's LoRA target set (§4.1), Megatron module names under `decoder.layers.*.`. Exactly these are
+# required; only the routed-expert down-projection may be left out.
+TARGET_MODULES = (
+    "self_attention.o_proj",
+    "self_attention.q_a_proj",
+    "self_attention.kv_a_proj_with_mqa",
+    "mlp.linear_fc1",
+    "mlp.linear_fc2",
+    "mlp.experts.linear_fc1",
+    "mlp.experts.linear_fc2",
+)
+OPTIONAL_TARGET_MODULES = ("mlp.experts.linear_fc2",)
+
+# Recipe paths for the 4layer default and what `full` switches them to when left at the default.
+_PATHS_4LAYER = {
+    "hf_checkpoint": "/root/models/Kimi-K3-4layer-bf16",
+    "ref_load": "/root/models/Kimi-K3-4layer-torch-dist",
+    "megatron_model_type": "kimi-k3-4layer",
+}
+_PATHS_FULL = {
+    "hf_checkpoint": "/root/models/Kimi-K3/native",
+    "ref_load": "/root/models/Kimi-K3/torch_dist",
+    "megatron_model_type": "kimi-k3",
+}
+_GIB = 1024**3
+_MIB = 1024**2
+
+
+class LaunchConfigError(ValueError):
+    """A flag value `k3 train` cannot run with; the message names the flag and what to change."""
+
+
+def _default_num_nodes() -> int:
+    # The recipe's base class: the Slurm allocation's node count when there is one.
+    value = os.environ.get("SLURM_JOB_NUM_NODES", "")
+    return int(value) if value.isdigit() and int(value) > 0 else 1
+
+
+def opt(default: Any = None, help: str = "", *, choices: tuple[str, ...] | None = None, group: str = "run",
+        factory: Any = None, metavar: str | None = None, ours: bool = False) -> Any:
+    """A :class:`TrainArgs` field with its CLI metadata: one-line ``help``, ``choices``, help ``group``.
+
+    ``ours`` marks flags the public recipe launcher does not have.
+    """
+    meta = {"help": help, "choices": choices, "group": group, "metavar": metavar, "ours": ours}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class TrainArgs:
+    """Every `k3 train` flag. ``None`` = resolved from --mode / --task / --model-variant (see :func:`resolve`)."""
+
+    # --- run
+    mode: str = opt("debug_minimal", "debug_minimal: tiny sizes, SGD lr 1e-6; normal: the recipe's sizes, Adam",
+                    choices=MODES)
+    run_id: str | None = opt(None, "run name: save subdir and wandb group (default: UTC time + random suffix)")
+    run_dir: str | None = opt(None, "run directory: metrics.jsonl, resolved_config.*, adapters/ "
+                              "(default: runs/<run-id>)", ours=True)
+    resume: bool = opt(False, "continue the run in --run-dir from its latest adapter checkpoint", ours=True)
+    seed: int = opt(1234, "random seed of data order, sampling and LoRA init", ours=True)
+    dry_run: bool = opt(False, "resolve, validate and write the resolved config, then exit without training",
+                        ours=True)
+    output_dir: str = opt("/root/shared_data", "shared output directory of the recipe (CUDA core dumps go here)")
+    # --- model
+    model_variant: str = opt("4layer", "tiny (CPU width, ours), 4layer (first 4 layers, one 8-GPU node) or full "
+                             "(16×4 GPUs)", choices=MODEL_VARIANTS, group="model")
+    hf_checkpoint: str | None = opt(_PATHS_4LAYER["hf_checkpoint"], "HF checkpoint the engine loads (full: switched to "
+                             f"{_PATHS_FULL['hf_checkpoint']} when left at the default; tiny: required)", group="model")
+    ref_load: str | None = opt(_PATHS_4LAYER["ref_load"], "torch_dist (DCP) checkpoint of the base for the Megatron "
+                        f"trainer (full: switched to {_PATHS_FULL['ref_load']})", group="model")
+    megatron_model_type: str = opt(_PATHS_4LAYER["megatron_model_type"], "model type of the Megatron model "
+                                   "args (full: switched to kimi-k3)", group="model")
+    backend: str = opt("torch", "trainer backend: torch (plain PyTorch) or megatron (megatron-core)",
+                       choices=BACKENDS, group="model", ours=True)
+    megatron_path: str = opt("/root/Megatron-LM", "Megatron-LM source tree of the recipe image", group="model")
+    # --- cluster
+    num_nodes: int = opt(help="training nodes ($SLURM_JOB_NUM_NODES when set, else 1)", group="cluster",
+                         factory=_default_num_nodes)
+    num_gpus_per_node: int | None = opt(None, "GPUs per node; 0 = CPU (default: 8; tiny: 0)", group="cluster")
+    external_ray: bool = opt(False, "join the running Ray cluster (RAY_ADDRESS or auto) instead of starting one",
+                             group="cluster")
+    extra_env_vars: str = opt("", "extra KEY=VALUE pairs (space-separated) for every Ray worker", group="cluster")
+    cuda_core_dump: bool = opt(False, "write a CUDA core dump to --output-dir when a kernel faults",
+                               group="cluster")
+    distributed_timeout_minutes: int = opt(10, "timeout of collective operations, minutes", group="cluster")
+    # --- parallelism
+    pipeline_parallel_size: int = opt(1, "pipeline stages (full: must divide 64 and split the 93 layers)",
+                                      group="parallelism")
+    context_parallel_size: int = opt(1, "context-parallel ranks per sequence", group="parallelism")
+    tp_size_override: int | None = opt(None, "tensor parallel size instead of the derived one",
+                                       group="parallelism")
+    ep_size_override: int | None = opt(None, "expert parallel size instead of the derived one",
+                                       group="parallelism")
+    # --- rollout
+    rollout_engine: str = opt("embedded", "rollout engine: embedded (k3.model, any device) or sglang (GPU "
+                              "cluster)", choices=ROLLOUT_ENGINES, group="rollout", ours=True)
+    sglang_path: str = opt("/root/sglang/python", "directory containing the sglang/ package", group="rollout")
+    rollout_tp_size: int = opt(8, "tensor parallel size of each rollout engine (full only; divides 64 and 96)",
+                               group="rollout")
+    rollout_ep_size: int = opt(1, "expert parallel size of each rollout engine (full only; divides rollout TP "
+                               "and 896)", group="rollout")
+    rollout_max_concurrency: int = opt(64, "requests an engine runs at once", group="rollout")
+    sglang_max_total_tokens: int | None = opt(None, "cap of the engine's KV token pool", group="rollout")
+    num_rollout: int | None = opt(None, "rollouts to run (debug_minimal 2, normal 3000)", group="rollout")
+    rollout_batch_size: int | None = opt(None, "prompts per rollout (debug_minimal 8, normal 32)",
+                                         group="rollout")
+    n_samples_per_prompt: int | None = opt(None, "responses per prompt, one GRPO group (debug_minimal 2, "
+                                           "normal 8)", group="rollout")
+    rollout_max_response_len: int | None = opt(None, "max response tokens, also for eval (gsm8k 256; else "
+                                               "debug_minimal 32, normal 16384)", group="rollout")
+    save_debug_rollout_data: str | None = opt(None, "write every rollout's samples to this path",
+                                              group="rollout")
+    offload_rollout_level: list[str] = opt(help="engine memory released while the trainer runs: kv_cache, "
+                                           "weight", group="rollout", factory=lambda: ["kv_cache", "weight"],
+                                           choices=OFFLOAD_ROLLOUT_LEVELS, ours=True)
+    # --- data and reward
+    task: str = opt("gsm8k", "training task: gsm8k or dapo-math (eval on aime-2024)", choices=TASKS, group="data")
+    data_dir: str = opt("/root/datasets", "datasets directory of `k3 prepare-data`", group="data")
+    reward_model: str | None = opt(None, "reward: math for gsm8k; dapo-math: deterministic_random "
+                                   "(debug_minimal) or deepscaler (normal)", choices=REWARD_MODELS, group="data")
+    eval_interval: int | None = opt(None, "evaluate every N rollouts, and before training (default: no eval)",
+                                    group="data")
+    # --- lora
+    lora_rank: int = opt(16, "LoRA rank r (> 0)", group="lora")
+    lora_alpha: int = opt(32, "LoRA alpha; the update is scaled by alpha / rank", group="lora")
+    lora_dropout: float = opt(0.0, "dropout on the adapter input while training", group="lora")
+    target_modules: list[str] = opt(help="adapted modules (the recipe's 7; only mlp.experts.linear_fc2 may be "
+                                    "left out)", group="lora", factory=lambda: list(TARGET_MODULES))
+    experts_shared_outer_loras: bool = opt(True, "share the outer expert factors over all experts (required)",
+                                           group="lora")
+    lora_base_cpu_backup: bool = opt(True, "engine keeps a host copy of its frozen base while released, so the "
+                                     "trainer never re-sends it", group="lora", ours=True)
+    # --- training
+    global_batch_size: int | None = opt(None, "samples per optimizer step (debug_minimal 16, normal 256)",
+                                        group="training")
+    lr: float = opt(1e-5, "Adam learning rate (normal mode; debug_minimal uses SGD at 1e-6)", group="training")
+    max_tokens_per_gpu: int | None = opt(None, "token budget of one micro-batch per GPU (4layer 512, full 8192)",
+                                         group="training")
+    save_dir: str = opt("/personal/checkpoints", "Megatron checkpoints go to <save-dir>/<run-id>",
+                        group="training")
+    save_interval: int = opt(50, "save a checkpoint every N rollouts (and after the last)", group="training",
+                             ours=True)
+    # --- sync and memory
+    colocate_memory_peak_device: str = opt("gpu", "where trainer and engine copies briefly coexist at a sync: "
+                                           "gpu (onload first) or cpu (offload first)", choices=PEAK_DEVICES,
+                                           group="sync", ours=True)
+    update_weight_buffer_size: int | None = opt(None, "bytes per base-weight transfer bucket (full 256MiB, "
+                                                "4layer 2GiB)", group="sync")
+    check_weight_update_equal: bool = opt(False, "check the engine's weights equal the trainer's after the "
+                                          "first sync", group="sync")
+    # --- logging
+    enable_wandb: bool = opt(False, "log metrics to Weights & Biases (project miles-run_kimi_k3_lora)",
+                             group="logging")
+    extra_args: str = opt("", "extra trainer arguments, appended verbatim (megatron backend)", group="logging")
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """The optimizer of the mode: debug_minimal = SGD (momentum 0, lr 1e-6), normal = Adam (β 0.9 / 0.98)."""
+
+    optimizer: str
+    weight_decay: float
+    adam_beta1: float
+    adam_beta2: float
+    sgd_momentum: float
+    lr_decay_style: str
+    use_distributed_optimizer: bool
+    optimizer_cpu_offload: bool
+    optimizer_offload_fraction: float
+
+
+@dataclass(frozen=True)
+class GRPOSettings:
+    """GRPO as the recipe runs it: group-normalised rewards, asymmetric PPO clip, no KL, no reference model."""
+
+    advantage_estimator: str = "grpo"
+    eps_clip: float = 0.2
+    eps_clip_high: float = 0.28
+    kl_loss_coef: float = 0.0
+    kl_loss_type: str = "low_var_kl"
+    entropy_coef: float = 0.0
+    rewards_normalization: bool = True
+    grpo_std_normalization: bool = True
+    grpo_std_eps: float = 1e-6
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """Sampling, eval and engine sizing derived from the flags (recipe §6.1 SGLang args, §6.2 eval)."""
+
+    rollout_temperature: float
+    rollout_top_p: float
+    eval_temperature: float
+    n_samples_per_eval_prompt: int
+    eval_max_response_len: int
+    skip_eval_before_train: bool
+    rollout_shuffle: bool
+    rollout_num_gpus_per_engine: int
+    sglang_ep_size: int
+    sglang_server_concurrency: int
+    sglang_max_running_requests: int
+    sglang_max_mamba_cache_size: int
+    sglang_cuda_graph_bs: list[int]
+    sglang_context_length: int | None
+    sglang_mem_fraction_static: float | None
+    sglang_max_lora_rank: int
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    """Training and eval files under ``--data-dir`` and the keys read from them (recipe §6.2)."""
+
+    prompt_data: str
+    input_key: str
+    label_key: str
+    apply_chat_template: bool
+    eval_dataset_name: str | None
+    eval_prompt_data: str | None
+    eval_input_key: str | None
+
+
+@dataclass(frozen=True)
+class MemorySettings:
+    """Colocation: trainer and engines share devices and take turns (recipe §5)."""
+
+    colocate: bool
+    offload_train: bool
+    offload_rollout: bool
+    disable_weights_backuper: bool
+    train_memory_margin_bytes: int
+
+
+@dataclass(frozen=True)
+class TrainingSettings:
+    """Trainer settings the recipe fixes per variant/mode rather than exposing as flags."""
+
+    num_steps_per_rollout: int
+    use_dynamic_batch_size: bool
+    log_probs_chunk_size: int
+    recompute_granularity: str
+    recompute_method: str
+    recompute_num_layers: int
+    check_for_nan_in_loss_and_grad: bool
+    save: str
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """What a run uses: every flag with its default filled in (``args``) and everything derived from them.
+
+    ``to_dict()`` flattens it into one name → value mapping (Megatron's names where Megatron has one; a name in
+    two sections has one value): that is what ``resolved_config.json`` / ``.txt`` hold.
+    """
+
+    args: TrainArgs
+    layout: ParallelLayout
+    optimizer: OptimizerSettings
+    grpo: GRPOSettings
+    rollout: RolloutSettings
+    data: DataSettings
+    memory: MemorySettings
+    training: TrainingSettings
+    env: dict[str, str]
+    notes: tuple[str, ...] = ()
+
+    SECTIONS = ("args", "layout", "optimizer", "grpo", "rollout", "data", "memory", "training")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Flat ``{name: value}`` of every section (JSON-ready: tuples as lists), plus ``env``."""
+        out: dict[str, Any] = {}
+        for name in self.SECTIONS:
+            for key, value in dataclasses.asdict(getattr(self, name)).items():
+                # A name may appear in two sections (the flag and the layout both hold context_parallel_size)
+                # only with one value.
+                if key in out and out[key] != value:
+                    raise AssertionError(f"resolved key {key!r} differs between sections: {out[key]!r} vs {value!r}")
+                out[key] = list(value) if isinstance(value, tuple) else value
+        out["env"] = dict(self.env)
+        return out
+
+    @property
+    def run_dir(self) -> Path:
+        assert self.args.run_dir is not None  # resolve() always sets it
+        return Path(self.args.run_dir)
+
+    @property
+    def uses_gpus(self) -> bool:
+        return bool(self.args.num_gpus_per_node)
+
+
+def new_run_id() -> str:
+    """``20260102-030405-1a2b3c``: UTC time plus a random suffix, as the recipe names runs."""
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
+
+
+def _fail(message: str) -> LaunchConfigError:
+    return LaunchConfigError(message)
+
+
+def _check_positive(args: TrainArgs, names: list[str]) -> None:
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise _fail(f"--{name.replace('_', '-')} {value}: must be > 0")
+
+
+def _check_choice(args: TrainArgs, name: str, choices: tuple[str, ...]) -> None:
+    value = getattr(args, name)
+    if value not in choices:
+        raise _fail(f"--{name.replace('_', '-')} {value!r}: expected one of {', '.join(choices)}")
+
+
+def parse_env_pairs(text: str) -> dict[str, str]:
+    """``"A=1 B='x y'"`` → ``{"A": "1", "B": "x y"}`` (shell quoting); raises on a word without ``=``."""
+    out: dict[str, str] = {}
+    for word in shlex.split(text):
+        key, sep, value = word.partition("=")
+        if not sep or not key:
+            raise _fail(f"--extra-env-vars: {word!r} is not KEY=VALUE (pairs are space-separated)")
+        out[key] = value
+    return out
+
+
+def _worker_env(a: TrainArgs) -> dict[str, str]:
+    """Environment of every Ray worker (recipe §6.1 "Environment passed to Ray")."""
+    env: dict[str, str] = {}
+    repo_root = str(Path(__file__).resolve().parents[2])
+    python_path = [repo_root]
+    if a.rollout_engine == "sglang":
+        python_path.append(a.sglang_path)
+        env["SGLANG_JIT_ROUTE_RADIX"] = "1"
+        # SGLang's default NUMA membind put the whole host weight mirror on one NUMA node, which could not hold it.
+        env["SGLANG_NUMA_BIND_V2"] = os.environ.get("SGLANG_NUMA_BIND_V2", "0")
+    if os.environ.get("PYTHONPATH"):
+        python_path.append(os.environ["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(python_path)
+    if a.num_gpus_per_node:
+        env["NCCL_TIMEOUT"] = "3600"
+    # Without the compile caches the KDA backward kernels recompile on every run (~30 min first backward).
+    for name in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK",
+                 "SGLANG_K3_ATTN_RES_MODE"):
+        if os.environ.get(name):
+            env[name] = os.environ[name]
+    if a.cuda_core_dump:
+        env["CUDA_ENABLE_COREDUMP_ON_EXCEPTION"] = "1"
+        env["CUDA_COREDUMP_FILE"] = str(Path(a.output_dir) / "cuda_coredump_%h.%p.%t")
+    env.update(parse_env_pairs(a.extra_env_vars))
+    return env
+
+
+def resolve(args: TrainArgs) -> ResolvedConfig:
+    """Fill the mode/task/variant-dependent defaults, derive the layout and validate every flag.
+
+    ``args`` is not modified. Raises :class:`LaunchConfigError` (a ``ValueError``) naming the flag to change.
+    """
+    a = dataclasses.replace(args, target_modules=list(args.target_modules),
+                            offload_rollout_level=list(args.offload_rollout_level))
+    notes: list[str] = []
+    for name, choices in [("mode", MODES), ("task", TASKS), ("model_variant", MODEL_VARIANTS),
+                          ("backend", BACKENDS), ("rollout_engine", ROLLOUT_ENGINES),
+                          ("colocate_memory_peak_device", PEAK_DEVICES)]:
+        _check_choice(a, name, choices)
+    if a.reward_model is not None:
+        _check_choice(a, "reward_model", REWARD_MODELS)
+    debug = a.mode == "debug_minimal"
+    full = a.model_variant == "full"
+
+    # Variant: paths the recipe switches when left at the 4layer default, GPUs, per-GPU token budget.
+    if full:
+        for name, default in _PATHS_4LAYER.items():
+            if getattr(a, name) == default:
+                setattr(a, name, _PATHS_FULL[name])
+    elif a.model_variant == "tiny":
+        # No recipe path fits tiny: its checkpoint is one the user makes (`k3 make-checkpoint --variant tiny`).
+        for name in ("hf_checkpoint", "ref_load"):
+            if getattr(a, name) == _PATHS_4LAYER[name]:
+                setattr(a, name, None)
+        if a.megatron_model_type == _PATHS_4LAYER["megatron_model_type"]:
+            a.megatron_model_type = "kimi-k3-tiny"
+    if a.num_gpus_per_node is None:
+        a.num_gpus_per_node = 0 if a.model_variant == "tiny" else 8
+    if a.max_tokens_per_gpu is None:
+        a.max_tokens_per_gpu = 8192 if full else 512
+    if a.update_weight_buffer_size is None:
+        a.update_weight_buffer_size = 256 * _MIB if full else 2 * _GIB
+
+    # Mode and task.
+    if a.reward_model is None:
+        a.reward_model = "math" if a.task == "gsm8k" else ("deterministic_random" if debug else "deepscaler")
+    for name, debug_value, normal_value in [("num_rollout", 2, 3000), ("rollout_batch_size", 8, 32),
+                                            ("n_samples_per_prompt", 2, 8), ("global_batch_size", 16, 256)]:
+        if getattr(a, name) is None:
+            setattr(a, name, debug_value if debug else normal_value)
+    if a.rollout_max_response_len is None:
+        a.rollout_max_response_len = 256 if a.task == "gsm8k" else (32 if debug else 16384)
+    if debug and a.lr != TrainArgs.lr:
+        notes.append(f"--lr {a.lr} is ignored in --mode debug_minimal (SGD at lr 1e-6); use --mode normal for Adam")
+    if debug:
+        a.lr = 1e-6
+    if a.run_id is None:
+        a.run_id = new_run_id()
+    if a.run_dir is None:
+        a.run_dir = str(Path("runs") / a.run_id)
+
+    _validate_values(a)
+    model = variant(a.model_variant)
+    rollout_defaults = (TrainArgs.rollout_tp_size, TrainArgs.rollout_ep_size)
+    try:
+        layout = derive_layout(
+            a.model_variant,
+            num_nodes=a.num_nodes,
+            num_gpus_per_node=a.num_gpus_per_node,
+            pipeline_parallel_size=a.pipeline_parallel_size,
+            context_parallel_size=a.context_parallel_size,
+            tp_size_override=a.tp_size_override,
+            ep_size_override=a.ep_size_override,
+            rollout_tp_size=a.rollout_tp_size,
+            rollout_ep_size=a.rollout_ep_size,
+            num_layers=model.num_hidden_layers,
+            num_attention_heads=model.num_attention_heads,
+            num_experts=model.num_experts,
+            rollout_defaults=rollout_defaults,
+        )
+    except LayoutError as e:
+        raise LaunchConfigError(str(e)) from None
+    _validate_batches(a, layout)
+    # The resolved flags show what the engines run with (the 4layer and tiny engines ignore the full-only flags).
+    a.rollout_tp_size, a.rollout_ep_size = layout.rollout_tp_size, layout.rollout_ep_size
+
+    return ResolvedConfig(
+        args=a,
+        layout=layout,
+        optimizer=_optimizer(a),
+        grpo=GRPOSettings(),
+        rollout=_rollout(a, layout),
+        data=_data(a),
+        memory=MemorySettings(
+            colocate=True,
+            offload_train=True,
+            offload_rollout=True,
+            disable_weights_backuper=True,
+            train_memory_margin_bytes=(2 if debug else 4) * _GIB,
+        ),
+        training=TrainingSettings(
+            num_steps_per_rollout=a.rollout_batch_size * a.n_samples_per_prompt // a.global_batch_size,
+            use_dynamic_batch_size=True,
+            log_probs_chunk_size=512,
+            recompute_granularity="full",
+            recompute_method="uniform",
+            recompute_num_layers=1,
+            # The recipe turns Megatron's NaN check off for 4layer only.
+            check_for_nan_in_loss_and_grad=a.model_variant != "4layer",
+            save=str(Path(a.save_dir) / a.run_id),
+        ),
+        env=_worker_env(a),
+        notes=tuple(notes),
+    )
+
+
+def _validate_values(a: TrainArgs) -> None:
+    _check_positive(a, ["num_rollout", "rollout_batch_size", "n_samples_per_prompt", "rollout_max_response_len",
+                        "global_batch_size", "lr", "max_tokens_per_gpu", "rollout_max_concurrency",
+                        "sglang_max_total_tokens", "eval_interval", "lora_rank", "lora_alpha",
+                        "distributed_timeout_minutes", "save_interval", "update_weight_buffer_size"])
+    if not 0.0 <= a.lora_dropout < 1.0:
+        raise _fail(f"--lora-dropout {a.lora_dropout}: must be in [0, 1)")
+    if a.seed < 0:
+        raise _fail(f"--seed {a.seed}: must be >= 0")
+    unknown = [m for m in a.target_modules if m not in TARGET_MODULES]
+    if unknown:
+        raise _fail(f"--target-modules: unknown {', '.join(unknown)}; allowed: {' '.join(TARGET_MODULES)}")
+    missing = [m for m in TARGET_MODULES if m not in a.target_modules and m not in OPTIONAL_TARGET_MODULES]
+    if missing:
+        raise _fail(f"--target-modules must include {', '.join(missing)} (only "
+                    f"{', '.join(OPTIONAL_TARGET_MODULES)} may be left out)")
+    if len(set(a.target_modules)) != len(a.target_modules):
+        raise _fail(f"--target-modules lists a module twice: {' '.join(a.target_modules)}")
+    if not a.experts_shared_outer_loras:
+        raise _fail("--no-experts-shared-outer-loras is not supported: K3's 896-expert adapters share their outer "
+                    "factors; drop the flag")
+    bad_levels = [x for x in a.offload_rollout_level if x not in OFFLOAD_ROLLOUT_LEVELS]
+    if bad_levels:
+        raise _fail(f"--offload-rollout-level: unknown {', '.join(bad_levels)}; allowed: "
+                    f"{' '.join(OFFLOAD_ROLLOUT_LEVELS)}")
+    if a.lora_base_cpu_backup and "weight" not in a.offload_rollout_level:
+        # The host mirror is built when the engine releases its weights; without that release it never exists.
+        raise _fail(f"--lora-base-cpu-backup needs 'weight' in --offload-rollout-level (got "
+                    f"{' '.join(a.offload_rollout_level) or 'nothing'}): add weight, or pass "
+                    "--no-lora-base-cpu-backup")
+    if a.num_gpus_per_node == 0 and a.rollout_engine == "sglang":
+        raise _fail("--rollout-engine sglang needs GPUs (--num-gpus-per-node 0 is CPU): use --rollout-engine "
+                    "embedded on CPU")
+    parse_env_pairs(a.extra_env_vars)
+
+
+def _validate_batches(a: TrainArgs, layout: ParallelLayout) -> None:
+    per_rollout = a.rollout_batch_size * a.n_samples_per_prompt
+    if per_rollout % a.global_batch_size:
+        fits = [g for g in range(per_rollout, 0, -1) if per_rollout % g == 0 and g % layout.data_parallel_size == 0]
+        raise _fail(
+            f"--rollout-batch-size {a.rollout_batch_size} × --n-samples-per-prompt {a.n_samples_per_prompt} = "
+            f"{per_rollout} samples per rollout is not a multiple of --global-batch-size {a.global_batch_size}: "
+            f"use a global batch that divides {per_rollout} (e.g. {', '.join(map(str, fits[:3]))})"
+        )
+    if a.global_batch_size % layout.data_parallel_size:
+        raise _fail(f"--global-batch-size {a.global_batch_size} must be a multiple of the data-parallel size "
+                    f"{layout.data_parallel_size}")
+
+
+def _optimizer(a: TrainArgs) -> OptimizerSettings:
+    megatron = a.backend == "megatron"
+    if a.mode == "debug_minimal":
+        # Plain SGD at momentum 0: TE's fused SGD would allocate a momentum buffer even then.
+        return OptimizerSettings("sgd", 0.0, 0.9, 0.98, 0.0, "constant", megatron, False, 0.0)
+    return OptimizerSettings("adam", 0.1, 0.9, 0.98, 0.0, "constant", megatron, megatron, 0.8 if megatron else 0.0)
+
+
+def _rollout(a: TrainArgs, layout: ParallelLayout) -> RolloutSettings:
+    full = a.model_variant == "full"
+    concurrency = a.rollout_max_concurrency
+    return RolloutSettings(
+        rollout_temperature=1.0,
+        rollout_top_p=1.0,
+        eval_temperature=0.0,
+        n_samples_per_eval_prompt=1,
+        eval_max_response_len=a.rollout_max_response_len,
+        skip_eval_before_train=False,
+        rollout_shuffle=True,
+        rollout_num_gpus_per_engine=layout.rollout_tp_size,
+        sglang_ep_size=layout.rollout_ep_size,
+        sglang_server_concurrency=16,
+        sglang_max_running_requests=concurrency if full else 16,
+        # K3's radix "extra_buffer" strategy needs five KDA cache slots per running request.
+        sglang_max_mamba_cache_size=5 * concurrency if full else 16,
+        sglang_cuda_graph_bs=[b for b in (1, 2, 4, 8, 16, 32) if b <= concurrency] if full else [1, 2, 4, 8, 16],
+        sglang_context_length=8192 if a.mode == "debug_minimal" else None,
+        sglang_mem_fraction_static=None if full else 0.7,
+        sglang_max_lora_rank=a.lora_rank,
+    )
+
+
+def _data(a: TrainArgs) -> DataSettings:
+    root = Path(a.data_dir)
+    eval_on = a.eval_interval is not None
+    if a.task == "gsm8k":
+        return DataSettings(str(root / "gsm8k" / "train.parquet"), "messages", "label", True,
+                            "gsm8k" if eval_on else None, str(root / "gsm8k" / "test.parquet") if eval_on else None,
+                            "messages" if eval_on else None)
+    return DataSettings(str(root / "dapo-math-17k" / "dapo-math-17k.jsonl"), "prompt", "label", True,
+                        "aime" if eval_on else None,
+                        str(root / "aime-2024" / "aime-2024.jsonl") if eval_on else None,
+                        "prompt" if eval_on else None)

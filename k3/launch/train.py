@@ -1,0 +1,157 @@
+"""`k3 train`: parse the recipe's flags, resolve and validate them, write the resolved config into the run
+directory, print it, then hand the run to the training loop (``k3.rl.loop.run``).
+
+The command forwards its raw words to the argparse parser of :mod:`k3.launch.parser`, so ``k3 train --help``
+is that parser's help (every flag, its default and its ``K3_*`` variable).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import typer
+
+from k3.launch.args import LaunchConfigError, ResolvedConfig, TrainArgs, resolve
+from k3.launch.parser import parse_train_args
+from k3.launch.resolved_config import JSON_NAME, print_args_table, read_resolved_config, write_resolved_config
+
+__all__ = ["train", "main", "check_inputs", "RESUME_MUST_MATCH"]
+
+# Resuming loads the saved adapters onto the same base: these cannot change between the runs.
+RESUME_MUST_MATCH = ("model_variant", "hf_checkpoint", "lora_rank", "lora_alpha", "target_modules",
+                     "experts_shared_outer_loras")
+# A run directory holding any of these is a run: never overwritten without --resume.
+RUN_MARKERS = (JSON_NAME, "metrics.jsonl", "adapters")
+
+
+def train(ctx: typer.Context) -> None:
+    """Run LoRA GRPO on Kimi-K3 with the public recipe's flags (see `k3 train --help`)."""
+    raise typer.Exit(main(ctx.args))
+
+
+# `k3.launch.cli` passes these to `app.command()`: the words after `k3 train` (--help included) reach argparse.
+train.command_settings = {  # type: ignore[attr-defined]
+    "context_settings": {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []},
+    "add_help_option": False,
+}
+
+
+def main(argv: Sequence[str]) -> int:
+    """`k3 train ARGV`; returns the exit code (0 ok, 1 dry run found problems, 2 bad configuration)."""
+    try:
+        args = parse_train_args(argv)
+        resolved, previous = _resolve_for_run_dir(args)
+        _save_previous_config(resolved, previous)
+        json_path, text_path = write_resolved_config(resolved)
+    except (LaunchConfigError, FileNotFoundError) as e:
+        print(f"k3 train: error: {e}", file=sys.stderr)
+        return 2
+    print_args_table(resolved)
+    print(f"resolved config: {json_path} and {text_path}")
+
+    problems = check_inputs(resolved)
+    if args.dry_run:
+        for problem in problems:
+            print(f"k3 train: {problem}", file=sys.stderr)
+        print("dry run: " + ("configuration valid, inputs present" if not problems else
+                             f"{len(problems)} problem(s) above") + "; not training")
+        return 1 if problems else 0
+    if problems:
+        for problem in problems:
+            print(f"k3 train: error: {problem}", file=sys.stderr)
+        return 2
+
+    try:
+        loop = importlib.import_module("k3.rl.loop")
+    except ModuleNotFoundError as e:
+        if e.name not in ("k3.rl", "k3.rl.loop"):
+            raise  # a dependency of the loop is missing: show the real error
+        print(f"k3 train: error: training loop not available yet (k3.rl.loop is missing); the resolved config "
+              f"is in {json_path.parent}", file=sys.stderr)
+        return 2
+    loop.run(resolved)
+    return 0
+
+
+def _resolve_for_run_dir(args: TrainArgs) -> tuple[ResolvedConfig, dict | None]:
+    """Resolve ``args`` against its run directory: a new run needs a fresh one, ``--resume`` an existing one.
+
+    Returns the resolved config and, on resume, the config the run was started with.
+    """
+    if not args.resume:
+        resolved = resolve(args)
+        run_dir = resolved.run_dir
+        held = [m for m in RUN_MARKERS if (run_dir / m).exists()]
+        if held:
+            raise LaunchConfigError(
+                f"--run-dir {run_dir} already holds a run ({', '.join(held)}): pass --resume to continue it, or "
+                "choose another --run-dir / --run-id"
+            )
+        return resolved, None
+
+    if args.run_dir is None and args.run_id is None:
+        raise LaunchConfigError("--resume needs the run to continue: pass --run-dir DIR (or --run-id ID)")
+    run_dir = Path(args.run_dir) if args.run_dir is not None else Path("runs") / args.run_id
+    if not (run_dir / JSON_NAME).is_file():
+        raise LaunchConfigError(f"--resume: {run_dir} has no {JSON_NAME}, so there is no run to continue; drop "
+                                "--resume to start one there")
+    previous = read_resolved_config(run_dir)
+    if args.run_id is None:
+        args = _with(args, run_id=previous.get("run_id"))
+    resolved = resolve(_with(args, run_dir=str(run_dir)))
+    now = resolved.to_dict()
+    changed = [k for k in RESUME_MUST_MATCH if previous.get(k) != now.get(k)]
+    if changed:
+        detail = "; ".join(f"{k} was {previous.get(k)!r}, now {now.get(k)!r}" for k in changed)
+        raise LaunchConfigError(f"--resume: the saved adapters do not fit the new flags ({detail}): resume with the "
+                                "run's values, or start a new run")
+    return resolved, previous
+
+
+def _with(args: TrainArgs, **changes: object) -> TrainArgs:
+    return dataclasses.replace(args, **changes)
+
+
+def _save_previous_config(resolved: ResolvedConfig, previous: dict | None) -> None:
+    """On resume with changed flags, keep the old config beside the new one and say what changed."""
+    if previous is None:
+        return
+    now = resolved.to_dict()
+    changed = sorted(k for k in set(previous) | set(now) if k != "env" and previous.get(k) != now.get(k))
+    if not changed:
+        return
+    shutil.copyfile(resolved.run_dir / JSON_NAME, resolved.run_dir / "resolved_config.previous.json")
+    for key in changed:
+        print(f"resume: {key} {previous.get(key)!r} -> {now.get(key)!r}")
+
+
+def check_inputs(resolved: ResolvedConfig) -> list[str]:
+    """Problems with the files the run reads (checkpoint, data, engine sources), each saying what to do."""
+    a, data = resolved.args, resolved.data
+    problems: list[str] = []
+    if a.hf_checkpoint is None:
+        problems.append(f"--hf-checkpoint is required for --model-variant {a.model_variant}: make one with "
+                        f"`k3 make-checkpoint --variant {a.model_variant} --format bf16 --out DIR` and pass "
+                        "--hf-checkpoint DIR")
+    elif not (Path(a.hf_checkpoint) / "config.json").is_file():
+        what = "does not exist" if not Path(a.hf_checkpoint).exists() else "has no config.json"
+        problems.append(f"--hf-checkpoint {a.hf_checkpoint} {what}: pass the directory of an HF checkpoint")
+    if a.backend == "megatron" and (a.ref_load is None or not Path(a.ref_load).exists()):
+        problems.append(f"--ref-load {a.ref_load} does not exist: the megatron backend loads the base from a "
+                        "torch_dist checkpoint (`k3 convert hf-to-dist --hf-checkpoint BF16 --save DCP`)")
+    fetch = f"`k3 prepare-data --task {a.task} --data-dir {a.data_dir}`"
+    if not Path(data.prompt_data).is_file():
+        problems.append(f"training data {data.prompt_data} not found: run {fetch}")
+    if data.eval_prompt_data is not None and not Path(data.eval_prompt_data).is_file():
+        problems.append(f"eval data {data.eval_prompt_data} not found (needed by --eval-interval): run {fetch}")
+    if a.rollout_engine == "sglang" and not (Path(a.sglang_path) / "sglang").is_dir():
+        if importlib.util.find_spec("sglang") is None:
+            problems.append(f"--sglang-path {a.sglang_path} has no sglang/ and sglang is not installed: install the "
+                            "`cluster` extra or pass --sglang-path DIR")
+    return problems
