@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 MODES = ("debug_minimal", "normal")
-TASKS = ("gsm8k", "dapo-math")
+TASKS = ("gsm8k", "dapo-math", "arith")
 MODEL_VARIANTS = ("tiny", "4layer", "full")
 REWARD_MODELS = ("deterministic_random", "deepscaler", "math")
 BACKENDS = ("torch", "megatron")
@@ -170,7 +170,8 @@ class TrainArgs:
                                            "weight", group="rollout", factory=lambda: ["kv_cache", "weight"],
                                            choices=OFFLOAD_ROLLOUT_LEVELS, ours=True)
     # --- data and reward
-    task: str = opt("gsm8k", "training task: gsm8k or dapo-math (eval on aime-2024)", choices=TASKS, group="data")
+    task: str = opt("gsm8k", "training task: gsm8k, dapo-math (eval on aime-2024) or arith (generated, for the "
+                    "smoke)", choices=TASKS, group="data")
     data_dir: str = opt("/root/datasets", "datasets directory of `k3 prepare-data`", group="data")
     reward_model: str | None = opt(None, "reward: math for gsm8k; dapo-math: deterministic_random "
                                    "(debug_minimal) or deepscaler (normal)", choices=REWARD_MODELS, group="data")
@@ -599,9 +600,14 @@ def _data(a: TrainArgs) -> DataSettings:
     root = Path(a.data_dir)
     eval_on = a.eval_interval is not None
     if a.task == "gsm8k":
-        return DataSettings(str(root / "gsm8k" / "train.parquet"), "messages", "label", True,
-                            "gsm8k" if eval_on else None, str(root / "gsm8k" / "test.parquet") if eval_on else None,
+        # prepare-data writes jsonl beside the parquet files, so training never needs pyarrow
+        return DataSettings(str(root / "gsm8k" / "train.jsonl"), "messages", "label", True,
+                            "gsm8k" if eval_on else None, str(root / "gsm8k" / "test.jsonl") if eval_on else None,
                             "messages" if eval_on else None)
+    if a.task == "arith":  # the smoke's generated task (`k3 prepare-data --task arith`), in the dapo-math format
+        return DataSettings(str(root / "arith" / "train.jsonl"), "prompt", "label", True,
+                            "arith" if eval_on else None, str(root / "arith" / "eval.jsonl") if eval_on else None,
+                            "prompt" if eval_on else None)
     return DataSettings(str(root / "dapo-math-17k" / "dapo-math-17k.jsonl"), "prompt", "label", True,
                         "aime" if eval_on else None,
                         str(root / "aime-2024" / "aime-2024.jsonl") if eval_on else None,

@@ -218,7 +218,7 @@ def test_4layer_rollout_sizing():
 def test_gsm8k_data_and_default_run_dir():
     r = resolve(TrainArgs(run_id="abc", data_dir="/d", eval_interval=5))
     assert (r.data.prompt_data, r.data.input_key, r.data.eval_dataset_name, r.data.eval_prompt_data) == (
-        "/d/gsm8k/train.parquet", "messages", "gsm8k", "/d/gsm8k/test.parquet")
+        "/d/gsm8k/train.jsonl", "messages", "gsm8k", "/d/gsm8k/test.jsonl")
     assert r.args.run_dir == "runs/abc"
     no_eval = resolve(TrainArgs(run_id="abc")).data
     assert no_eval.eval_dataset_name is None and no_eval.eval_prompt_data is None

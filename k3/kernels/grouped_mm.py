@@ -1,0 +1,101 @@
+"""Grouped GEMM for rows sorted by expert: ``out[r] = x[r] @ w[e(r)]ᵀ``, one call for all experts.
+
+``torch.nn.functional.grouped_mm`` (torch 2.13) runs on CPU for float32 and bfloat16 and on CUDA for
+bfloat16. Its contract, checked on this torch: the right operand is ``[E, in, out]`` (our ``[E, out, in]``
+weight transposed, a view), ``offs`` is int32 with ``offs[e]`` = the end row of expert ``e`` (cumulative
+counts), and every row stride must be a multiple of 16 bytes (``in`` and ``out`` × element size), or it
+raises "strides should be multiple of 16 bytes" (forward for ``in``, backward for ``out``). Shapes it cannot
+take go through a padded batched matmul instead. Neither path loops over experts in Python.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["grouped_mm", "grouped_mm_reference", "native_grouped_mm_supported"]
+
+Impl = Literal["auto", "native", "padded"]
+
+
+def native_grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``F.grouped_mm`` takes these operands (dtype, device and the 16-byte stride rule)."""
+    if not hasattr(F, "grouped_mm") or x.dtype != w.dtype or x.device != w.device:
+        return False
+    if x.device.type == "cpu":
+        ok_dtype = x.dtype in (torch.float32, torch.bfloat16)
+    elif x.device.type == "cuda":
+        ok_dtype = x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    else:
+        return False
+    size = x.element_size()
+    return ok_dtype and (w.shape[2] * size) % 16 == 0 and (w.shape[1] * size) % 16 == 0
+
+
+def _check(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> None:
+    if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2]:
+        raise ValueError(f"grouped_mm: x {tuple(x.shape)}, w {tuple(w.shape)}: expected x [N, in] and "
+                         "w [E, out, in] with the same in")
+    if counts.dim() != 1 or counts.shape[0] != w.shape[0]:
+        raise ValueError(f"grouped_mm: counts {tuple(counts.shape)}: expected [E] = [{w.shape[0]}]")
+    if counts.dtype.is_floating_point:
+        raise ValueError(f"grouped_mm: counts dtype {counts.dtype}: expected an integer tensor")
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, impl: Impl = "auto") -> torch.Tensor:
+    """Per-expert matmul of expert-sorted rows.
+
+    Args:
+        x: ``[N, in]``, rows sorted by expert (expert 0's rows first).
+        w: ``[E, out, in]`` (``nn.Linear`` layout per expert).
+        counts: ``[E]`` integer, rows per expert; must sum to N.
+        impl: ``native`` (F.grouped_mm), ``padded`` (batched matmul over a padded ``[E, max_count, in]``),
+            or ``auto`` (native when supported).
+
+    Returns:
+        ``[N, out]`` in x's dtype.
+    """
+    _check(x, w, counts)
+    if not x.is_cuda:  # a device sync on CUDA; on CPU cheap, and a wrong count would silently drop rows
+        total = int(counts.sum())
+        if total != x.shape[0] or bool((counts < 0).any()):
+            raise ValueError(f"grouped_mm: counts sum to {total} (min {int(counts.min())}): expected "
+                             f"non-negative counts summing to the {x.shape[0]} rows of x")
+    if x.shape[0] == 0:
+        return x.new_zeros(0, w.shape[1])
+    if impl == "auto":
+        impl = "native" if native_grouped_mm_supported(x, w) else "padded"
+    if impl == "native":
+        offs = counts.cumsum(0).to(torch.int32)
+        out = F.grouped_mm(x.contiguous(), w.transpose(-2, -1), offs=offs)
+        if out.requires_grad:
+            # Its backward rejects a stride-0 gradient (what ``out.sum().backward()`` sends), so densify it.
+            out.register_hook(lambda grad: grad.contiguous())
+        return out
+    if impl == "padded":
+        return _padded_bmm(x, w, counts)
+    raise ValueError(f"grouped_mm: impl={impl!r}: expected auto, native or padded")
+
+
+def _padded_bmm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    E = w.shape[0]
+    counts = counts.to(device=x.device, dtype=torch.long)
+    expert_of_row = torch.repeat_interleave(torch.arange(E, device=x.device), counts)
+    starts = counts.cumsum(0) - counts
+    slot = torch.arange(x.shape[0], device=x.device) - starts[expert_of_row]
+    padded = x.new_zeros(E, int(counts.max()), x.shape[1])
+    padded = padded.index_put((expert_of_row, slot), x)
+    out = torch.bmm(padded, w.transpose(1, 2))  # [E, max_count, out]
+    return out[expert_of_row, slot]
+
+
+def grouped_mm_reference(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The plain per-expert loop, for tests."""
+    _check(x, w, counts)
+    outs, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        outs.append(x[start:start + n] @ w[e].T)
+        start += n
+    return torch.cat(outs) if outs else x.new_zeros(0, w.shape[1])

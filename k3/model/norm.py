@@ -1,0 +1,51 @@
+"""RMSNorm as the K3 reference computes it, and the gated RMSNorm on KDA's output."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from k3.model.precision import KeepsFloat32
+
+__all__ = ["RMSNorm", "GatedRMSNorm", "rms_normalize"]
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x · rsqrt(mean(x²) + eps)`` over the last dim, in float32 (returns float32)."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+class RMSNorm(nn.Module):
+    """Normalise in float32, cast back to the input dtype, then multiply by ``weight`` (KimiRMSNorm)."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., dim]`` -> ``[..., dim]`` in x's dtype."""
+        return self.weight * rms_normalize(x, self.eps).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class GatedRMSNorm(KeepsFloat32):
+    """KDA's output norm per head: ``rmsnorm(x) · weight · sigmoid(gate)``, all in float32 (weight F32)."""
+
+    float32_params = ("weight",)
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """``x, gate [..., dim]`` -> ``[..., dim]`` in ``out_dtype``."""
+        y = rms_normalize(x, self.eps) * self.weight.float() * torch.sigmoid(gate.float())
+        return y.to(out_dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
