@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# make acceptance-full: the validated Kimi-K3 recipe on an existing 16-node × 4-GPU Ray cluster, judged live.
+#
+#   1. ray job submit … -- k3 train <the recipe page's validated flags (§4)> into RUN_DIR
+#   2. k3-harness watch RUN_DIR beside it: on the first hard FAIL it runs `ray job stop <id>` and stops
+#   3. k3-harness check (verdict, Markdown summary, JSON), k3-harness report (HTML), the pytest acceptance
+#      tests (JUnit XML)
+#
+# Needs: RAY_ADDRESS (the cluster's dashboard/job address, e.g. http://head:8265) and the inputs below.
+# RUN_DIR must be visible both to the job's entrypoint (it runs on the Ray head) and to this machine: run this
+# on the head node, or point K3_RUN_DIR at shared storage.
+#
+#   K3_HF_CHECKPOINT      native MXFP4 checkpoint (--hf-checkpoint)            required
+#   K3_REF_LOAD           torch_dist checkpoint of the base (--ref-load)       required
+#   K3_DATA_DIR           datasets of `k3 prepare-data` (--data-dir)           required
+#   K3_SGLANG_PATH        directory holding sglang/ (default /sgl-workspace/sglang/python)
+#   K3_NUM_ROLLOUT        rollouts to run (default 20: through eval@9 and 20 syncs, which decides every
+#                         criterion; the validated launch runs 1000 — set it for the full length)
+#   K3_HARDWARE_PROFILE   harness profile with hardware-specific criteria (gb300: allocated ≈ 91 GB)
+#   K3_RUN_ID, K3_RUN_DIR job id (default acceptance-<UTC time>) and run directory (default runs/<id>)
+#   K3_WATCH_TIMEOUT      give up watching after this many seconds (default: none)
+#   K3_WATCH_POLL         seconds between the watch's reads of the run (default 30)
+#   K3_EXTRA_TRAIN_ARGS   appended to `k3 train` (e.g. "--backend megatron --rollout-engine sglang")
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+die() { echo "acceptance-full: $*" >&2; exit 2; }
+
+if [[ -z "${RAY_ADDRESS:-}" ]]; then
+  die "no Ray cluster: set RAY_ADDRESS to the job address of an existing 16-node × 4-GPU cluster (e.g.
+  RAY_ADDRESS=http://head:8265 make acceptance-full). Nothing was submitted."
+fi
+BIN=${BIN:-.venv/bin}
+RAY=$BIN/ray
+[[ -x $RAY ]] || RAY=$(command -v ray) || die "the 'ray' command is not installed (make install)"
+[[ -n "${K3_HF_CHECKPOINT:-}" ]] || die "set K3_HF_CHECKPOINT to the native MXFP4 checkpoint directory"
+[[ -n "${K3_REF_LOAD:-}" ]] || die "set K3_REF_LOAD to the torch_dist checkpoint of the base"
+[[ -n "${K3_DATA_DIR:-}" ]] || die "set K3_DATA_DIR to the datasets directory (k3 prepare-data)"
+
+RUN_ID=${K3_RUN_ID:-acceptance-$(date -u +%Y%m%d-%H%M%S)}
+RUN_DIR=${K3_RUN_DIR:-runs/$RUN_ID}
+PROFILE=${K3_HARDWARE_PROFILE:-}
+mkdir -p "$RUN_DIR"
+RUN_DIR=$(cd "$RUN_DIR" && pwd)
+SUMMARY=${GITHUB_STEP_SUMMARY:-$RUN_DIR/summary.md}
+HARNESS=("$BIN/k3-harness")
+PROFILE_ARGS=()
+[[ -n $PROFILE ]] && PROFILE_ARGS=(--profile "$PROFILE")
+
+# The recipe page's validated launch (§4), with our run directory and the cluster joined as it is.
+TRAIN=(k3 train --external-ray --run-dir "$RUN_DIR" --run-id "$RUN_ID"
+  --mode normal --model-variant full --task dapo-math --reward-model deepscaler
+  --num-nodes 16 --num-gpus-per-node 4
+  --pipeline-parallel-size 8 --context-parallel-size 2
+  --rollout-tp-size 16 --rollout-max-concurrency 8
+  --lora-rank 32 --lora-alpha 64
+  --num-rollout "${K3_NUM_ROLLOUT:-20}" --rollout-batch-size 8 --n-samples-per-prompt 8
+  --rollout-max-response-len 4096 --sglang-max-total-tokens 65536
+  --global-batch-size 64 --lr 1e-05 --eval-interval 10
+  --distributed-timeout-minutes 60
+  --hf-checkpoint "$K3_HF_CHECKPOINT" --ref-load "$K3_REF_LOAD"
+  --sglang-path "${K3_SGLANG_PATH:-/sgl-workspace/sglang/python}"
+  --data-dir "$K3_DATA_DIR" --enable-wandb)
+# shellcheck disable=SC2206  # extra args are words on purpose
+TRAIN+=(${K3_EXTRA_TRAIN_ARGS:-})
+
+echo "acceptance-full: job $RUN_ID on $RAY_ADDRESS, run directory $RUN_DIR"
+"$RAY" job submit --address "$RAY_ADDRESS" --submission-id "$RUN_ID" --no-wait -- "${TRAIN[@]}"
+"$RAY" job logs --address "$RAY_ADDRESS" --follow "$RUN_ID" > "$RUN_DIR/job.log" 2>&1 &
+LOGS_PID=$!
+
+WATCH_ARGS=(--tier full "${PROFILE_ARGS[@]}" --poll "${K3_WATCH_POLL:-30}"
+  --kill-cmd "$RAY job stop --address $RAY_ADDRESS $RUN_ID")
+[[ -n "${K3_WATCH_TIMEOUT:-}" ]] && WATCH_ARGS+=(--timeout "$K3_WATCH_TIMEOUT")
+set +e
+"${HARNESS[@]}" watch "$RUN_DIR" "${WATCH_ARGS[@]}"
+WATCH_RC=$?
+set -e
+echo "acceptance-full: watch exited $WATCH_RC"
+if [[ $WATCH_RC -ne 0 ]]; then
+  # Failed, timed out or incomplete: make sure nothing keeps running on the cluster.
+  "$RAY" job stop --address "$RAY_ADDRESS" "$RUN_ID" >/dev/null 2>&1 || true
+fi
+kill "$LOGS_PID" 2>/dev/null || true
+
+set +e
+"${HARNESS[@]}" check "$RUN_DIR" --tier full "${PROFILE_ARGS[@]}" --summary "$SUMMARY" --json "$RUN_DIR/verdict.json"
+CHECK_RC=$?
+"${HARNESS[@]}" report "$RUN_DIR" --tier full "${PROFILE_ARGS[@]}" --out "$RUN_DIR/report.html" >/dev/null
+PYTEST_PROFILE=()
+[[ -n $PROFILE ]] && PYTEST_PROFILE=(--k3-profile "$PROFILE")
+"$BIN/python" -m pytest -q tests/cluster --k3-run "$RUN_DIR" --k3-tier full "${PYTEST_PROFILE[@]}" \
+  --junitxml "$RUN_DIR/acceptance.xml"
+set -e
+echo "acceptance-full: verdict in $RUN_DIR/verdict.json, report $RUN_DIR/report.html, summary $SUMMARY"
+exit "$CHECK_RC"

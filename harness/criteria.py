@@ -1,0 +1,709 @@
+"""Criteria: what one recipe sentence demands of a run, and its verdict on a run's data.
+
+A :class:`Criterion` is one ``[[criterion]]`` table of a tier spec (``harness/spec/*.toml``); its ``kind``
+says how it is judged. Kinds and their parameters (besides the common ``id``, ``kind``, ``metric``, ``doc``,
+``window``, ``profile``):
+
+====================  ===============================================================================
+kind                  parameters
+====================  ===============================================================================
+band                  ``lo``, ``hi`` (either may be left out), ``reduce`` = each | mean, ``n`` with
+                      ``lo_count`` / ``hi_count`` (judge as solved counts of ``n``)
+rise_by               ``min_rise``; ``n`` with ``min_rise_count``; window = [from, to] (to −1: the last)
+returns_to_baseline   ``tolerance_gb``, ``phase``, ``side`` = both | above, ``baseline_gb`` (absolute),
+                      ``min_syncs``; per rank, per sync; baseline = the rank's first value in the window
+no_growth             ``max_slope_gb_per_sync``, ``phase``, ``min_points``; least-squares slope per rank
+config_equals         ``value``: the resolved value of the config name in ``metric``, as Megatron prints it
+cycle_time_within     ``lo``, ``hi``, ``unit`` = s | min, ``allowed_outside``; see :mod:`harness.cycles`
+completes_within      ``max_minutes``, ``min_rollouts``: from the ``started`` to the ``finished`` status
+advances              ``step``: the adapter version goes up by exactly ``step`` at every sync
+====================  ===============================================================================
+
+``window`` is ``"all"`` or ``[first, last]`` (inclusive; ``last = -1``: open-ended) over rollout ids
+(scalars), sync indices (memory, adapter versions) or cycle indices.
+
+Each evaluation is a :class:`Result`: PASS, FAIL, PENDING (not far enough yet: more data can still decide
+it) or MISSING (the run is over and the data is not there). ``final`` says whether more data can change
+it — a FAIL that is final is what the live watch aborts on. A criterion over an open-ended window is PENDING
+until the run is finished, even when every value so far is good.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from harness.cycles import cycle_times
+from harness.run_data import MemoryPoint, Point, RunData, config_text, normalize_phase
+
+__all__ = [
+    "Status",
+    "Window",
+    "Criterion",
+    "Result",
+    "KINDS",
+    "SpecError",
+    "build_criterion",
+    "evaluate",
+    "evaluate_all",
+]
+
+
+class SpecError(ValueError):
+    """A tier spec is wrong; the message names the file, the criterion and the field."""
+
+
+class Status(StrEnum):
+    PASS = "PASS"
+    FAIL = "FAIL"
+    PENDING = "PENDING"
+    MISSING = "MISSING"
+
+
+@dataclass(frozen=True)
+class Window:
+    """Inclusive index range; ``last is None``: open-ended (to the end of the run)."""
+
+    first: int = 0
+    last: int | None = None
+
+    @property
+    def open(self) -> bool:
+        return self.last is None
+
+    def contains(self, index: int) -> bool:
+        return index >= self.first and (self.last is None or index <= self.last)
+
+    def required(self) -> list[int]:
+        """The indices a closed window needs (an open one needs none in particular)."""
+        return [] if self.last is None else list(range(self.first, self.last + 1))
+
+    def __str__(self) -> str:
+        if self.first == 0 and self.last is None:
+            return "all"
+        if self.last is None:
+            return f"{self.first}–end"
+        return str(self.first) if self.first == self.last else f"{self.first}–{self.last}"
+
+
+@dataclass(frozen=True)
+class Criterion:
+    id: str
+    kind: str
+    metrics: tuple[str, ...]  # the first one the run has data for is used
+    doc: str
+    window: Window
+    params: Mapping[str, Any]
+    profile: str | None = None
+    title: str = ""
+    where: str = ""  # "full.toml: criterion 'aime_at_0'"
+
+    @property
+    def metric(self) -> str:
+        return self.metrics[0]
+
+    def __getitem__(self, name: str) -> Any:
+        return self.params[name]
+
+
+@dataclass
+class Result:
+    criterion: Criterion
+    status: Status
+    summary: str  # one line for tables
+    final: bool  # True: no later data can change this verdict
+    evidence: dict[str, Any] = field(default_factory=dict)  # JSON-able: values, indices, first failure
+    where: str | None = None  # file:line of the value that decided it, when one did
+
+    @property
+    def id(self) -> str:
+        return self.criterion.id
+
+    @property
+    def hard_fail(self) -> bool:
+        return self.status is Status.FAIL and self.final
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "kind": self.criterion.kind, "status": str(self.status), "final": self.final,
+                "summary": self.summary, "where": self.where, "evidence": self.evidence,
+                "doc": self.criterion.doc}
+
+
+# --- parameters -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Param:
+    types: tuple[type, ...]
+    required: bool = False
+    default: Any = None
+    choices: tuple[Any, ...] = ()
+
+
+NUMBER = (int, float)
+_COMMON = {"id", "kind", "metric", "doc", "window", "profile", "title"}
+
+
+def _param_value(where: str, name: str, spec: Param, raw: Any) -> Any:
+    if isinstance(raw, bool) and bool not in spec.types:
+        raise SpecError(f"{where}: {name!r} must be {_type_names(spec.types)}, got {raw!r}")
+    if not isinstance(raw, spec.types):
+        raise SpecError(f"{where}: {name!r} must be {_type_names(spec.types)}, got {raw!r}")
+    if spec.choices and raw not in spec.choices:
+        raise SpecError(f"{where}: {name!r} must be one of {', '.join(map(repr, spec.choices))}, got {raw!r}")
+    return float(raw) if spec.types == NUMBER else raw
+
+
+def _type_names(types: tuple[type, ...]) -> str:
+    names = ["a number" if t in NUMBER else f"a {t.__name__}" for t in types]
+    return " or ".join(dict.fromkeys(names))
+
+
+def _decimals(x: float) -> int:
+    text = repr(float(x))
+    return len(text.split(".")[1]) if "." in text and "e" not in text else 6
+
+
+# --- building ---------------------------------------------------------------------------------------------
+def build_criterion(table: Mapping[str, Any], where: str, profiles: set[str]) -> Criterion:
+    """A :class:`Criterion` from one ``[[criterion]]`` table; :class:`SpecError` naming ``where`` and the field."""
+    cid = table.get("id")
+    if not isinstance(cid, str) or not cid or not cid.replace("_", "").isalnum() or cid != cid.lower():
+        raise SpecError(f"{where}: 'id' must be a lowercase identifier (letters, digits, _), got {cid!r}")
+    where = f"{where}: criterion {cid!r}"
+    kind = table.get("kind")
+    if kind not in KINDS:
+        raise SpecError(f"{where}: unknown kind {kind!r} (expected one of {', '.join(KINDS)})")
+    metric = table.get("metric")
+    metrics = (metric,) if isinstance(metric, str) else tuple(metric) if isinstance(metric, list) else ()
+    if not metrics or not all(isinstance(m, str) and m for m in metrics):
+        raise SpecError(f"{where}: 'metric' must be a name or a list of names, got {metric!r}")
+    doc = table.get("doc")
+    if not isinstance(doc, str) or not doc.strip():
+        raise SpecError(f"{where}: 'doc' (the recipe sentence it encodes) is required")
+    window = _window(where, table.get("window", "all"))
+    profile = table.get("profile")
+    if profile is not None and profile not in profiles:
+        raise SpecError(f"{where}: profile {profile!r} is not declared in [profiles] "
+                        f"(declared: {', '.join(sorted(profiles)) or 'none'})")
+    kind_spec = KINDS[kind]
+    unknown = set(table) - _COMMON - set(kind_spec.params)
+    if unknown:
+        raise SpecError(f"{where}: unknown field(s) {', '.join(sorted(unknown))} for kind {kind!r} "
+                        f"(its fields: {', '.join(sorted(kind_spec.params)) or 'none'})")
+    params: dict[str, Any] = {}
+    for name, spec in kind_spec.params.items():
+        if name in table:
+            params[name] = _param_value(where, name, spec, table[name])
+        elif spec.required:
+            raise SpecError(f"{where}: kind {kind!r} needs {name!r}")
+        else:
+            params[name] = spec.default
+    criterion = Criterion(cid, kind, metrics, doc.strip(), window, params, profile,
+                          str(table.get("title", "")), where)
+    if kind_spec.check is not None:
+        kind_spec.check(criterion)
+    return criterion
+
+
+def _window(where: str, raw: Any) -> Window:
+    if raw == "all":
+        return Window()
+    if (isinstance(raw, list) and len(raw) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in raw)
+            and raw[0] >= 0 and (raw[1] == -1 or raw[1] >= raw[0])):
+        return Window(raw[0], None if raw[1] == -1 else raw[1])
+    raise SpecError(f"{where}: 'window' must be \"all\" or [first, last] with 0 <= first <= last "
+                    f"(last = -1: to the end), got {raw!r}")
+
+
+def _check_band(c: Criterion) -> None:
+    lo, hi, n = c["lo"], c["hi"], c["n"]
+    if lo is None and hi is None:
+        raise SpecError(f"{c.where}: a band needs 'lo', 'hi' or both")
+    if lo is not None and hi is not None and lo > hi:
+        raise SpecError(f"{c.where}: 'lo' {lo} is above 'hi' {hi}")
+    if n is None:
+        if c["lo_count"] is not None or c["hi_count"] is not None:
+            raise SpecError(f"{c.where}: 'lo_count' / 'hi_count' need 'n' (the number of problems)")
+        return
+    if n <= 0:
+        raise SpecError(f"{c.where}: 'n' must be positive, got {n}")
+    if c["reduce"] != "each":
+        raise SpecError(f"{c.where}: counts ('n') are judged per value: 'reduce' must be \"each\"")
+    # The page rounds k/n to the decimals it prints; the counts must be exactly those that round into the band.
+    for bound, count_name, pick in (("lo", "lo_count", min), ("hi", "hi_count", max)):
+        value = c[bound]
+        if value is None:
+            continue
+        digits = _decimals(value)
+        inside = [k for k in range(n + 1) if (lo is None or round(k / n, digits) >= lo - 1e-12) and (
+            hi is None or round(k / n, digits) <= hi + 1e-12)]
+        if not inside:
+            raise SpecError(f"{c.where}: no count of {n} rounds into [{lo}, {hi}]")
+        expected = pick(inside)
+        if c[count_name] is None:
+            raise SpecError(f"{c.where}: with 'n' = {n}, state '{count_name}' = {expected} (the count that "
+                            f"rounds to {value})")
+        if c[count_name] != expected:
+            raise SpecError(f"{c.where}: '{count_name}' = {c[count_name]} disagrees with '{bound}' = {value}: "
+                            f"{expected}/{n} is the {'smallest' if pick is min else 'largest'} count that "
+                            f"rounds into [{lo}, {hi}]")
+
+
+def _check_rise(c: Criterion) -> None:
+    if c.window.first == c.window.last:
+        raise SpecError(f"{c.where}: a rise needs two points: 'window' = [from, to] with from < to")
+    n = c["n"]
+    if n is None:
+        if c["min_rise_count"] is not None:
+            raise SpecError(f"{c.where}: 'min_rise_count' needs 'n'")
+        return
+    expected = math.ceil(c["min_rise"] * n - 1e-9)
+    if c["min_rise_count"] != expected:
+        raise SpecError(f"{c.where}: 'min_rise_count' must be {expected}: the smallest count k with k/{n} >= "
+                        f"{c['min_rise']} (got {c['min_rise_count']})")
+
+
+def _check_positive(*names: str) -> Callable[[Criterion], None]:
+    def check(c: Criterion) -> None:
+        for name in names:
+            if c[name] is not None and c[name] < 0:
+                raise SpecError(f"{c.where}: {name!r} must not be negative, got {c[name]}")
+    return check
+
+
+def _check_cycle(c: Criterion) -> None:
+    if c["lo"] > c["hi"]:
+        raise SpecError(f"{c.where}: 'lo' {c['lo']} is above 'hi' {c['hi']}")
+    _check_positive("lo", "allowed_outside")(c)
+
+
+# --- helpers ----------------------------------------------------------------------------------------------
+def _not_yet(c: Criterion, run: RunData, what: str, **evidence: Any) -> Result:
+    """PENDING while the run goes on, MISSING once it is over."""
+    if run.finished:
+        return Result(c, Status.MISSING, f"{what} (run finished)", True, evidence)
+    return Result(c, Status.PENDING, f"{what} (yet)", False, evidence)
+
+
+def _scalar_series(c: Criterion, run: RunData) -> tuple[str, dict[int, Point]]:
+    for metric in c.metrics:
+        series = run.series(metric)
+        if series:
+            return metric, {i: p for i, p in series.items() if c.window.contains(i)}
+    return c.metric, {}
+
+
+def _fmt(x: float, digits: int = 3) -> str:
+    if math.isnan(x):
+        return "NaN"
+    return f"{x:.{digits}f}".rstrip("0").rstrip(".") if abs(x) < 1e6 else f"{x:.3g}"
+
+
+def _band_text(lo: float | None, hi: float | None) -> str:
+    if lo is None:
+        return f"≤ {_fmt(hi)}"  # type: ignore[arg-type]
+    if hi is None:
+        return f"≥ {_fmt(lo)}"
+    return f"[{_fmt(lo)}, {_fmt(hi)}]"
+
+
+def _in_band(x: float, lo: float | None, hi: float | None) -> bool:
+    return not math.isnan(x) and (lo is None or x >= lo - 1e-12) and (hi is None or x <= hi + 1e-12)
+
+
+def _count_of(run: RunData, metric: str, point: Point, n: int) -> tuple[int | None, str]:
+    """Solved count of an accuracy point: logged ``<metric>/n_correct`` when there, else value × n.
+
+    Returns (count or None when it cannot be a count of n, a note).
+    """
+    logged = run.series(f"{metric}/n_correct").get(point.index)
+    logged_n = run.series(f"{metric}/n").get(point.index)
+    if logged_n is not None and int(logged_n.value) != n:
+        return None, f"the run logged n = {int(logged_n.value)}, not {n}: judged on the value"
+    if logged is not None:
+        return int(round(logged.value)), ""
+    if math.isnan(point.value):
+        return None, ""
+    k = point.value * n
+    if abs(k - round(k)) > 0.02:
+        return None, f"{_fmt(point.value, 4)} is not a multiple of 1/{n}: judged on the value"
+    return int(round(k)), ""
+
+
+def _evals_text(metric: str) -> str:
+    return "eval" if metric.startswith("eval/") else "rollout"
+
+
+# --- band -------------------------------------------------------------------------------------------------
+def _band(c: Criterion, run: RunData) -> Result:
+    metric, series = _scalar_series(c, run)
+    lo, hi, n = c["lo"], c["hi"], c["n"]
+    label = _evals_text(metric)
+    required = c.window.required()
+    absent = [i for i in required if i not in series]
+    values = {i: series[i].value for i in sorted(series)}
+    evidence: dict[str, Any] = {"metric": metric, "window": str(c.window), "values": values}
+
+    if c["reduce"] == "mean":
+        if absent or not series:
+            return _not_yet(c, run, f"{metric}: {len(series)} of {len(required) or '≥1'} {label}s in "
+                            f"{c.window}", **evidence, absent=absent)
+        if c.window.open and not run.finished:
+            return Result(c, Status.PENDING, f"{metric}: mean so far {_fmt(statistics.fmean(values.values()))} "
+                          "(open window)", False, evidence)
+        mean = statistics.fmean(values.values())
+        evidence["mean"] = mean
+        ok = _in_band(mean, lo, hi)
+        text = (f"mean of {label}s {c.window}: {_fmt(mean)} {'in' if ok else 'outside'} {_band_text(lo, hi)}")
+        return Result(c, Status.PASS if ok else Status.FAIL, text, True, evidence)
+
+    counts: dict[int, int] = {}
+    notes: list[str] = []
+    for i, p in sorted(series.items()):
+        count = None
+        if n is not None:
+            count, note = _count_of(run, metric, p, n)
+            if note:
+                notes.append(f"{label}@{i}: {note}")
+            if count is not None:
+                counts[i] = count
+        if count is not None:
+            ok = c["lo_count"] is None or count >= c["lo_count"]
+            ok = ok and (c["hi_count"] is None or count <= c["hi_count"])
+        else:
+            ok = _in_band(p.value, lo, hi)
+        if not ok:
+            evidence |= {"failing_index": i, "value": p.value, "count": count, "counts": counts, "notes": notes}
+            shown = f"{_fmt(p.value)}" + (f" = {count}/{n}" if count is not None else "")
+            return Result(c, Status.FAIL, f"{label}@{i}: {shown} outside {_band_text_counts(c)}", True,
+                          evidence, p.where)
+    if n is not None:
+        evidence |= {"counts": counts, "notes": notes}
+    if absent or not series:
+        return _not_yet(c, run, f"{metric}: no value at {label} {', '.join(map(str, absent or [c.window]))}",
+                        **evidence, absent=absent)
+    if c.window.open and not run.finished:
+        return Result(c, Status.PENDING, f"{len(series)} {label}s in {_band_text(lo, hi)} so far (open window)",
+                      False, evidence)
+    if len(series) == 1:
+        (i, p), = series.items()
+        shown = _fmt(p.value) + (f" = {counts[i]}/{n}" if i in counts else "")
+        return Result(c, Status.PASS, f"{label}@{i}: {shown} in {_band_text_counts(c)}", True, evidence, p.where)
+    worst_lo, worst_hi = min(values.values()), max(values.values())
+    return Result(c, Status.PASS, f"{len(series)} {label}s in {_band_text(lo, hi)} "
+                  f"(min {_fmt(worst_lo)}, max {_fmt(worst_hi)})", True, evidence)
+
+
+def _band_text_counts(c: Criterion) -> str:
+    text = _band_text(c["lo"], c["hi"])
+    if c["n"] is None:
+        return text
+    lo_c, hi_c = c["lo_count"], c["hi_count"]
+    counts = (f"{lo_c}–{hi_c}" if lo_c is not None and hi_c is not None else
+              f"≥ {lo_c}" if lo_c is not None else f"≤ {hi_c}")
+    return f"{counts} of {c['n']} ({text} as printed)"
+
+
+# --- rise_by ----------------------------------------------------------------------------------------------
+def _rise_by(c: Criterion, run: RunData) -> Result:
+    metric, series = _scalar_series(c, run)
+    label = _evals_text(metric)
+    start = c.window.first
+    end = c.window.last
+    evidence: dict[str, Any] = {"metric": metric, "window": str(c.window),
+                                "values": {i: series[i].value for i in sorted(series)}}
+    if end is None:  # "the last": known only when the run is over
+        later = [i for i in series if i > start]
+        if not run.finished:
+            return Result(c, Status.PENDING, f"{label}@{start} → the last {label}: run not finished", False,
+                          evidence)
+        end = max(later) if later else None
+    first, last = series.get(start), series.get(end) if end is not None else None
+    if first is None or last is None:
+        absent = [i for i, p in ((start, first), (end, last)) if p is None]
+        return _not_yet(c, run, f"{metric}: no value at {label} " + ", ".join(
+            "the last" if i is None else str(i) for i in absent), **evidence)
+    rise = last.value - first.value
+    evidence |= {"from": start, "to": end, "from_value": first.value, "to_value": last.value, "rise": rise}
+    n = c["n"]
+    text_values = f"{label}@{start} {_fmt(first.value)} → {label}@{end} {_fmt(last.value)}"
+    if n is not None:
+        k0, note0 = _count_of(run, metric, first, n)
+        k1, note1 = _count_of(run, metric, last, n)
+        evidence["notes"] = [x for x in (note0, note1) if x]
+        if k0 is not None and k1 is not None:
+            evidence |= {"from_count": k0, "to_count": k1, "rise_count": k1 - k0}
+            ok = k1 - k0 >= c["min_rise_count"]
+            text = (f"{label}@{start} {k0}/{n} ({_fmt(first.value)}) → {label}@{end} {k1}/{n} ({_fmt(last.value)}): "
+                    f"{k1 - k0:+d} of {n} ({_fmt(rise, 3)}) {'≥' if ok else '<'} +{c['min_rise_count']} "
+                    f"(+{_fmt(c['min_rise'])} as printed)")
+            return Result(c, Status.PASS if ok else Status.FAIL, text, True, evidence, last.where)
+    ok = not math.isnan(rise) and rise >= c["min_rise"] - 1e-12
+    text = f"{text_values}: {rise:+.3f} {'≥' if ok else '<'} +{_fmt(c['min_rise'])}"
+    return Result(c, Status.PASS if ok else Status.FAIL, text, True, evidence, last.where)
+
+
+# --- memory -----------------------------------------------------------------------------------------------
+def _memory_series(c: Criterion, run: RunData) -> tuple[str, dict[int, dict[int, MemoryPoint]]]:
+    phase = normalize_phase(c["phase"])
+    for metric in c.metrics:
+        by_rank = run.memory_series(phase, metric)
+        if by_rank:
+            return metric, {r: {s: p for s, p in syncs.items() if c.window.contains(s)}
+                            for r, syncs in sorted(by_rank.items())}
+    return c.metric, {}
+
+
+def _coverage_gaps(by_rank: dict[int, dict[int, MemoryPoint]], finished: bool) -> dict[int, list[int]]:
+    """Ranks missing syncs that other ranks logged. While running, the newest sync may still be arriving."""
+    all_syncs = sorted({s for syncs in by_rank.values() for s in syncs})
+    if not finished and all_syncs:
+        all_syncs = all_syncs[:-1]
+    return {r: missing for r, syncs in by_rank.items() if (missing := [s for s in all_syncs if s not in syncs])}
+
+
+def _returns_to_baseline(c: Criterion, run: RunData) -> Result:
+    metric, by_rank = _memory_series(c, run)
+    tol, side, absolute = c["tolerance_gb"], c["side"], c["baseline_gb"]
+    phase = normalize_phase(c["phase"])
+    if not by_rank or not any(by_rank.values()):
+        return _not_yet(c, run, f"no {metric} at {phase}", metric=metric, phase=phase)
+    n_syncs = len({s for syncs in by_rank.values() for s in syncs})
+    baselines = {r: (absolute if absolute is not None else syncs[min(syncs)].value)
+                 for r, syncs in by_rank.items() if syncs}
+    failures: list[tuple[int, int, MemoryPoint, float]] = []  # (sync, rank, point, deviation)
+    worst: tuple[float, int, int] | None = None  # (|deviation|, rank, sync)
+    for r, syncs in by_rank.items():
+        for s, p in syncs.items():
+            dev = p.value - baselines[r]
+            if worst is None or abs(dev) > worst[0]:
+                worst = (abs(dev), r, s)
+            if math.isnan(dev) or dev > tol + 1e-9 or (side == "both" and dev < -tol - 1e-9):
+                failures.append((s, r, p, dev))
+    values = sorted(baselines.values())
+    evidence: dict[str, Any] = {
+        "metric": metric, "phase": phase, "ranks": len(by_rank), "syncs": n_syncs, "tolerance_gb": tol,
+        "baseline": "absolute" if absolute is not None else "first value per rank",
+        "baseline_gb_min": values[0], "baseline_gb_max": values[-1],
+    }
+    if worst is not None:
+        evidence |= {"worst_deviation_gb": worst[0], "worst_rank": worst[1], "worst_sync": worst[2]}
+    reference = f"{_fmt(absolute, 2)} GB" if absolute is not None else "baseline"
+    if failures:
+        s, r, p, dev = min(failures, key=lambda f: (f[0], f[1]))
+        failing_ranks = sorted({f[1] for f in failures})
+        evidence |= {"first_failing_sync": s, "first_failing_rank": r, "value_gb": p.value,
+                     "baseline_gb": baselines[r], "deviation_gb": dev, "failing_ranks": failing_ranks,
+                     "failing_points": len(failures)}
+        against = reference if absolute is not None else f"baseline {_fmt(baselines[r], 2)} GB"
+        text = (f"rank {r} after sync {s}: {_fmt(p.value, 2)} GB vs {against} ({dev:+.2f} GB, tolerance "
+                f"±{_fmt(tol, 2)} GB); {len(failing_ranks)} of {len(by_rank)} ranks fail")
+        return Result(c, Status.FAIL, text, True, evidence, p.where)
+    if n_syncs < c["min_syncs"]:
+        return _not_yet(c, run, f"{n_syncs} sync(s) of {len(by_rank)} rank(s); needs {c['min_syncs']}", **evidence)
+    gaps = _coverage_gaps(by_rank, run.finished)
+    if gaps and run.finished:
+        evidence["missing"] = {str(r): s for r, s in gaps.items()}
+        r0 = min(gaps)
+        return Result(c, Status.MISSING, f"{len(gaps)} rank(s) lack syncs others logged (rank {r0}: sync "
+                      f"{gaps[r0][0]}{'…' if len(gaps[r0]) > 1 else ''})", True, evidence)
+    text = (f"{len(by_rank)} ranks × {n_syncs} syncs within ±{_fmt(tol, 2)} GB of {reference}"
+            + (f" (worst {worst[0]:.2f} GB: rank {worst[1]}, sync {worst[2]})" if worst else ""))
+    if c.window.open and not run.finished:
+        return Result(c, Status.PENDING, text + " so far", False, evidence)
+    return Result(c, Status.PASS, text, True, evidence)
+
+
+def least_squares_slope(xs: list[float], ys: list[float]) -> float:
+    """Slope of the least-squares line through (xs, ys): Σ(x−x̄)(y−ȳ) / Σ(x−x̄)²; needs two distinct xs."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx == 0:
+        raise ValueError("slope of points that share one x")
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+
+
+def _no_growth(c: Criterion, run: RunData) -> Result:
+    metric, by_rank = _memory_series(c, run)
+    phase, limit, need = normalize_phase(c["phase"]), c["max_slope_gb_per_sync"], c["min_points"]
+    slopes: dict[int, float] = {}
+    for r, syncs in by_rank.items():
+        if len(syncs) >= need:
+            order = sorted(syncs)
+            slopes[r] = least_squares_slope([float(s) for s in order], [syncs[s].value for s in order])
+    evidence: dict[str, Any] = {"metric": metric, "phase": phase, "max_slope_gb_per_sync": limit,
+                                "ranks": len(by_rank), "ranks_with_enough_points": len(slopes)}
+    if not slopes:
+        most = max((len(s) for s in by_rank.values()), default=0)
+        return _not_yet(c, run, f"{most} sync(s) per rank; the slope needs {need}", **evidence)
+    worst_rank = max(slopes, key=lambda r: slopes[r])
+    worst = slopes[worst_rank]
+    evidence |= {"worst_rank": worst_rank, "worst_slope_gb_per_sync": worst,
+                 "growing_ranks": sorted(r for r, s in slopes.items() if s > limit)}
+    ok = worst <= limit + 1e-12
+    text = (f"steepest: rank {worst_rank} {worst:+.4f} GB/sync over {len(by_rank[worst_rank])} syncs "
+            f"({'≤' if ok else '>'} {_fmt(limit, 4)})")
+    if not ok:
+        # A trend can still flatten out: final only once the run is over.
+        return Result(c, Status.FAIL, text, run.finished, evidence)
+    if (c.window.open and not run.finished) or len(slopes) < len(by_rank):
+        return (Result(c, Status.PENDING, text + " so far", False, evidence) if not run.finished else
+                Result(c, Status.MISSING, f"{len(by_rank) - len(slopes)} rank(s) with fewer than {need} syncs",
+                       True, evidence))
+    return Result(c, Status.PASS, text, True, evidence)
+
+
+# --- config -----------------------------------------------------------------------------------------------
+def _config_equals(c: Criterion, run: RunData) -> Result:
+    expected = config_text(c["value"])
+    for key in c.metrics:
+        entry = run.config.get(key)
+        if entry is not None:
+            ok = entry.value.strip() == expected
+            evidence = {"key": key, "expected": expected, "actual": entry.value}
+            text = f"{key} {entry.value}" + ("" if ok else f" (expected {expected})")
+            return Result(c, Status.PASS if ok else Status.FAIL, text, True, evidence, entry.where)
+    return _not_yet(c, run, f"{c.metric} not in the resolved config", key=c.metric, expected=expected,
+                    config_keys=len(run.config))
+
+
+# --- cycle time -------------------------------------------------------------------------------------------
+def _cycle_time_within(c: Criterion, run: RunData) -> Result:
+    scale = 60.0 if c["unit"] == "min" else 1.0
+    unit = c["unit"]
+    lo, hi = c["lo"], c["hi"]
+    times = cycle_times(run)
+    cycles = {i: cyc for i, cyc in sorted(times.cycles.items()) if c.window.contains(i)}
+    excluded = {i: why for i, why in times.excluded.items() if c.window.contains(i)}
+    values = {i: cyc.seconds / scale for i, cyc in cycles.items()}
+    evidence: dict[str, Any] = {"rule": times.rule, "unit": unit, "window": str(c.window), "values": values,
+                                "excluded": excluded,
+                                "eval_excluded": {i: cyc.eval_seconds / scale for i, cyc in cycles.items()
+                                                  if cyc.eval_seconds}}
+    if not cycles:
+        return _not_yet(c, run, f"no cycle times in {c.window} (rule: {times.rule})", **evidence)
+    ordered = list(values.values())
+    median = statistics.median(ordered)
+    slowest = max(values, key=lambda i: values[i])
+    fastest = min(values, key=lambda i: values[i])
+    evidence |= {"median": median, "worst": values[slowest], "worst_cycle": slowest,
+                 "fastest": values[fastest], "fastest_cycle": fastest}
+    outside = [i for i in values if not _in_band(values[i], lo, hi)]
+    evidence["outside"] = outside
+    stats = (f"median {_fmt(median, 2)} {unit}, worst {_fmt(values[slowest], 2)} {unit} (cycle {slowest}), "
+             f"fastest {_fmt(values[fastest], 2)}")
+    if len(outside) > c["allowed_outside"]:
+        i = outside[c["allowed_outside"]]
+        evidence["first_failing_cycle"] = i
+        return Result(c, Status.FAIL, f"cycle {i}: {_fmt(values[i], 2)} {unit} outside "
+                      f"[{_fmt(lo)}, {_fmt(hi)}] {unit}; {stats}", True, evidence, cycles[i].where)
+    absent = [i for i in c.window.required() if i not in cycles and i not in excluded]
+    if absent:
+        return _not_yet(c, run, f"no cycle time for cycle(s) {', '.join(map(str, absent[:5]))}", **evidence)
+    text = f"{len(values)} cycles in [{_fmt(lo)}, {_fmt(hi)}] {unit}: {stats}"
+    if excluded:
+        text += f"; {len(excluded)} left out (eval of unknown length)"
+    if c.window.open and not run.finished:
+        return Result(c, Status.PENDING, text + " so far", False, evidence)
+    return Result(c, Status.PASS, text, True, evidence)
+
+
+# --- completion -------------------------------------------------------------------------------------------
+def _completes_within(c: Criterion, run: RunData) -> Result:
+    limit_s = c["max_minutes"] * 60.0
+    started = next((s for s in run.status if s.status == "started"), None)
+    ended = next((s for s in run.status if s.status in ("finished", "failed")), None)
+    start_time = started.time if started is not None else (run.event_times[0].time if run.event_times else None)
+    rollouts = {e.rollout_id for e in run.event_times if e.event == "rollout"} or {
+        i for m, s in run.scalars.items() if m.startswith("rollout/") for i in s}
+    evidence: dict[str, Any] = {"max_minutes": c["max_minutes"], "rollouts": len(rollouts),
+                                "min_rollouts": c["min_rollouts"]}
+    if ended is not None and ended.status == "failed":
+        evidence["error"] = ended.error
+        return Result(c, Status.FAIL, f"the run failed: {ended.error or 'no error message'}", True, evidence,
+                      ended.where)
+    if start_time is None:
+        return _not_yet(c, run, "no start time (status or timed events)", **evidence)
+    last_time = ended.time if ended is not None and ended.time is not None else max(
+        (e.time for e in run.event_times), default=start_time)
+    elapsed = last_time - start_time
+    evidence["minutes"] = elapsed / 60.0
+    if elapsed > limit_s:
+        return Result(c, Status.FAIL, f"{_fmt(elapsed / 60, 2)} min > {_fmt(c['max_minutes'])} min "
+                      f"({len(rollouts)} rollouts)", True, evidence)
+    if ended is None:
+        return _not_yet(c, run, f"running for {_fmt(elapsed / 60, 2)} min, {len(rollouts)} rollouts", **evidence)
+    if len(rollouts) < c["min_rollouts"]:
+        return Result(c, Status.FAIL, f"finished after {len(rollouts)} rollouts; needs ≥ {c['min_rollouts']}",
+                      True, evidence, ended.where)
+    return Result(c, Status.PASS, f"finished in {_fmt(elapsed / 60, 2)} min ≤ {_fmt(c['max_minutes'])} min, "
+                  f"{len(rollouts)} rollouts", True, evidence, ended.where)
+
+
+# --- adapter versions -------------------------------------------------------------------------------------
+def _advances(c: Criterion, run: RunData) -> Result:
+    syncs = [s for s in run.syncs if c.window.contains(s.index)]
+    step = c["step"]
+    versions = [s.version for s in syncs]
+    evidence: dict[str, Any] = {"versions": versions, "step": step}
+    if any(v is None for v in versions):
+        bad = next(s for s in syncs if s.version is None)
+        return Result(c, Status.FAIL, f"sync {bad.index} carries no adapter version", True, evidence, bad.where)
+    for previous, current in zip(syncs, syncs[1:]):
+        if current.version - previous.version != step:  # type: ignore[operator]
+            evidence |= {"first_failing_sync": current.index}
+            return Result(c, Status.FAIL, f"sync {current.index}: version {current.version} after "
+                          f"{previous.version} (expected +{step})", True, evidence, current.where)
+    if len(syncs) < 2:
+        return _not_yet(c, run, f"{len(syncs)} sync(s); needs 2", **evidence)
+    text = f"{len(syncs)} syncs, versions {versions[0]} → {versions[-1]} by +{step}"
+    if c.window.open and not run.finished:
+        return Result(c, Status.PENDING, text + " so far", False, evidence)
+    return Result(c, Status.PASS, text, True, evidence)
+
+
+# --- registry ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Kind:
+    evaluate: Callable[[Criterion, RunData], Result]
+    params: Mapping[str, Param]
+    check: Callable[[Criterion], None] | None = None
+
+
+_PHASE = Param((str,), default="after_update_weights")
+KINDS: dict[str, Kind] = {
+    "band": Kind(_band, {
+        "lo": Param(NUMBER), "hi": Param(NUMBER), "reduce": Param((str,), default="each", choices=("each", "mean")),
+        "n": Param((int,)), "lo_count": Param((int,)), "hi_count": Param((int,)),
+    }, _check_band),
+    "rise_by": Kind(_rise_by, {"min_rise": Param(NUMBER, required=True), "n": Param((int,)),
+                               "min_rise_count": Param((int,))}, _check_rise),
+    "returns_to_baseline": Kind(_returns_to_baseline, {
+        "tolerance_gb": Param(NUMBER, required=True), "phase": _PHASE,
+        "side": Param((str,), default="both", choices=("both", "above")), "baseline_gb": Param(NUMBER),
+        "min_syncs": Param((int,), default=2),
+    }, _check_positive("tolerance_gb", "baseline_gb", "min_syncs")),
+    "no_growth": Kind(_no_growth, {"max_slope_gb_per_sync": Param(NUMBER, required=True), "phase": _PHASE,
+                                   "min_points": Param((int,), default=5)}, _check_positive("min_points")),
+    "config_equals": Kind(_config_equals, {"value": Param((str, int, float, bool), required=True)}),
+    "cycle_time_within": Kind(_cycle_time_within, {
+        "lo": Param(NUMBER, required=True), "hi": Param(NUMBER, required=True),
+        "unit": Param((str,), default="min", choices=("s", "min")), "allowed_outside": Param((int,), default=0),
+    }, _check_cycle),
+    "completes_within": Kind(_completes_within, {"max_minutes": Param(NUMBER, required=True),
+                                                 "min_rollouts": Param((int,), default=0)},
+                             _check_positive("max_minutes", "min_rollouts")),
+    "advances": Kind(_advances, {"step": Param((int,), default=1)}),
+}
+
+
+def evaluate(criterion: Criterion, run: RunData) -> Result:
+    """One criterion's verdict on ``run`` as it is now."""
+    return KINDS[criterion.kind].evaluate(criterion, run)
+
+
+def evaluate_all(criteria: list[Criterion], run: RunData) -> list[Result]:
+    return [evaluate(c, run) for c in criteria]

@@ -1,0 +1,100 @@
+"""apply_lora: freeze the model, then attach adapters at the recipe's targets (``k3/lora/targets.py``)."""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+
+from torch import nn
+
+from k3.config import K3Config
+from k3.lora.config import LoRAConfig, LoRAConfigError
+from k3.lora.experts import LoRALatentExperts
+from k3.lora.linear import LoRALinear, new_lora_A
+from k3.lora.targets import AdapterSite, expected_sites, find_sites
+
+__all__ = ["apply_lora", "lora_modules", "lora_parameter_counts", "has_lora"]
+
+log = logging.getLogger(__name__)
+
+
+def has_lora(model: nn.Module) -> bool:
+    """Whether any module of ``model`` carries an adapter."""
+    return any(isinstance(m, (LoRALinear, LoRALatentExperts)) for m in model.modules())
+
+
+def lora_modules(model: nn.Module) -> list[tuple[str, LoRALinear | LoRALatentExperts]]:
+    """``(path, module)`` of every adapted module, in model order."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, (LoRALinear, LoRALatentExperts))]
+
+
+def lora_parameter_counts(model: nn.Module) -> tuple[int, int]:
+    """``(trainable, total)`` parameter counts (a tied Parameter counts once)."""
+    params = list(model.parameters())
+    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+
+
+def apply_lora(model: nn.Module, config: LoRAConfig) -> nn.Module:
+    """Freeze every parameter of ``model``, then attach adapters at ``config.target_modules``; returns ``model``.
+
+    The model is changed in place (modules replaced by ``LoRALinear`` / ``LoRALatentExperts`` that keep the
+    base weights and their state-dict names) and remembers ``config`` as ``model.lora_config``. Adapters
+    take the device and dtype of the weight they adapt (this also works under ``torch.device("meta")``).
+
+    Raises ``LoRAConfigError`` if a target matches no module, or if the modules found disagree with the
+    layer schedule of ``model.config`` (e.g. a q_a_proj on a KDA layer); ``TypeError`` if LoRA is already on.
+    """
+    if not isinstance(config, LoRAConfig):
+        raise TypeError(f"apply_lora: config is a {type(config).__name__}, expected LoRAConfig")
+    if has_lora(model):
+        raise TypeError("apply_lora: the model already carries LoRA adapters")
+    sites = find_sites(model, config.target_modules)
+    cfg = getattr(model, "config", None)
+    if isinstance(cfg, K3Config):
+        _check_coverage(sites, expected_sites(cfg, config.target_modules))
+    for p in model.parameters():
+        p.requires_grad_(False)
+
+    r, alpha, p_drop = config.rank, config.alpha, config.dropout
+    shared_fc1_A: dict[str, nn.Parameter] = {}  # one fc1 A per MLP, tied between its gate and up
+    expert_targets: dict[str, set[str]] = defaultdict(set)
+    for site in sites:
+        if site.group == "routed_experts":
+            expert_targets[site.module].add(site.target)
+            continue
+        parent, leaf = _parent(model, site.module)
+        base = getattr(parent, leaf)
+        shared = None
+        if site.target == "mlp.linear_fc1":
+            mlp = site.module.rsplit(".", 1)[0]
+            if mlp not in shared_fc1_A:
+                shared_fc1_A[mlp] = new_lora_A(r, base.in_features, like=base.weight)
+            shared = shared_fc1_A[mlp]
+        setattr(parent, leaf, LoRALinear(base, r, alpha, p_drop, shared_A=shared))
+    for path, targets in expert_targets.items():
+        parent, leaf = _parent(model, path)
+        base = getattr(parent, leaf)
+        setattr(parent, leaf, LoRALatentExperts(base, r, alpha, p_drop, fc1="mlp.experts.linear_fc1" in targets,
+                                                fc2="mlp.experts.linear_fc2" in targets))
+    model.lora_config = config
+    trainable, total = lora_parameter_counts(model)
+    log.info("LoRA r=%d alpha=%g on %d modules: trainable %d / total %d parameters (%.6f%%)", r, alpha,
+             len(lora_modules(model)), trainable, total, 100.0 * trainable / max(total, 1))
+    return model
+
+
+def _parent(model: nn.Module, path: str) -> tuple[nn.Module, str]:
+    head, _, leaf = path.rpartition(".")
+    return (model.get_submodule(head) if head else model), leaf
+
+
+def _check_coverage(found: list[AdapterSite], expected: list[AdapterSite]) -> None:
+    key = lambda s: (s.target, s.module)  # noqa: E731
+    have, want = {key(s) for s in found}, {key(s) for s in expected}
+    if have != want:
+        extra, missing = sorted(have - want), sorted(want - have)
+        raise LoRAConfigError(
+            "LoRA targets do not match the model's layer schedule (model.config): "
+            + (f"{len(missing)} expected but absent, e.g. {missing[:3]}; " if missing else "")
+            + (f"{len(extra)} present but not expected, e.g. {extra[:3]}" if extra else "")
+        )

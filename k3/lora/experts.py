@@ -1,0 +1,135 @@
+"""Shared-outer LoRA on the routed experts: the outer factors are shared by all experts, the inner ones are not.
+
+For expert e, with ``s = alpha / r``, ``Lt`` the latent width and ``F`` the expert width:
+
+    gate_e(x) = w1_e x + s · w1_lora_B[e] (w1_lora_A x)      w1_lora_A [r, Lt] shared,  w1_lora_B [E, F, r]
+    up_e(x)   = w3_e x + s · w3_lora_B[e] (w3_lora_A x)      w3_lora_A [r, Lt] shared,  w3_lora_B [E, F, r]
+    down_e(h) = w2_e h + s · w2_lora_B (w2_lora_A[e] h)      w2_lora_A [E, r, F],       w2_lora_B [Lt, r] shared
+
+"Shared-outer" (the recipe's ``--experts-shared-outer-loras``, SGLang's serving layout): gate/up share A on
+the input side, down shares B on the output side. The hot path is batched over experts: one ordinary GEMM of
+all rows with the stacked shared ``[w1_lora_A; w3_lora_A]``, then grouped per-expert GEMMs with the B's
+(and for down, a grouped GEMM with the per-expert A's, then one GEMM with the shared B) — no Python loop
+over experts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3.kernels.grouped_mm import grouped_mm
+from k3.lora.linear import xavier_bound
+from k3.model.moe import LatentExperts
+
+__all__ = ["LoRALatentExperts", "EXPERT_FACTORS"]
+
+# Factor names in the order a routed-experts chunk lists them.
+EXPERT_FACTORS = ("w1_lora_A", "w1_lora_B", "w3_lora_A", "w3_lora_B", "w2_lora_A", "w2_lora_B")
+
+
+class LoRALatentExperts(LatentExperts):
+    """``LatentExperts`` with shared-outer adapters on gate/up (``fc1``) and/or down (``fc2``).
+
+    Built from an existing ``LatentExperts``: its stacked ``w1``/``w3``/``w2`` Parameters are adopted (not
+    copied) and frozen, and its HF per-expert ``state_dict`` names are kept; the adapter factors are saved
+    under ``w1_lora_A`` etc. A's are Xavier-uniform per expert slice, B's zero.
+
+    Args:
+        base: the experts to adapt.
+        rank, alpha, dropout: as ``LoRAConfig`` (dropout on the adapter input, training only).
+        fc1: adapt gate and up (``mlp.experts.linear_fc1``). fc2: adapt down (``mlp.experts.linear_fc2``).
+    """
+
+    def __init__(self, base: LatentExperts, rank: int, alpha: float, dropout: float = 0.0,
+                 fc1: bool = True, fc2: bool = True) -> None:
+        nn.Module.__init__(self)
+        if not isinstance(base, LatentExperts):
+            raise TypeError(f"LoRALatentExperts wraps LatentExperts, got {type(base).__name__}")
+        if isinstance(base, LoRALatentExperts):
+            raise TypeError("these experts already carry LoRA adapters (apply_lora was called twice?)")
+        if not (fc1 or fc2):
+            raise ValueError("LoRALatentExperts needs fc1 and/or fc2")
+        # Adopt the base module's whole state (parameters, attributes, hooks); the dicts are copied so the
+        # adapters registered below do not appear on ``base``.
+        for key, value in base.__dict__.items():
+            self.__dict__[key] = value.copy() if isinstance(value, dict) else value
+        for p in (self.w1, self.w2, self.w3):
+            p.requires_grad_(False)
+        E, Fi, Lt = self.w1.shape
+        self.rank, self.alpha, self.scale, self.dropout = rank, float(alpha), float(alpha) / rank, float(dropout)
+        self.fc1, self.fc2 = fc1, fc2
+        self.merged = False
+        like = self.w1
+
+        def factor(*shape: int, fan_in: int | None = None) -> nn.Parameter:
+            t = torch.zeros(*shape, device=like.device, dtype=like.dtype)
+            if fan_in is not None:  # an A factor: Xavier-uniform over its [r, fan_in] (per-expert) slice
+                bound = xavier_bound(rank, fan_in)
+                nn.init.uniform_(t, -bound, bound)
+            return nn.Parameter(t)
+
+        if fc1:
+            self.w1_lora_A = factor(rank, Lt, fan_in=Lt)
+            self.w3_lora_A = factor(rank, Lt, fan_in=Lt)
+            self.w1_lora_B = factor(E, Fi, rank)
+            self.w3_lora_B = factor(E, Fi, rank)
+        if fc2:
+            self.w2_lora_A = factor(E, rank, Fi, fan_in=Fi)
+            self.w2_lora_B = factor(Lt, rank)
+
+    def factor_names(self) -> tuple[str, ...]:
+        """The adapter factors this module holds, in chunk order."""
+        have = set()
+        if self.fc1:
+            have |= {"w1_lora_A", "w1_lora_B", "w3_lora_A", "w3_lora_B"}
+        if self.fc2:
+            have |= {"w2_lora_A", "w2_lora_B"}
+        return tuple(n for n in EXPERT_FACTORS if n in have)
+
+    def _adapter_input(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(x, self.dropout, self.training) if self.dropout > 0 else x
+
+    def gate_up(self, x: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [rows, Lt]`` sorted by expert, ``counts [E]`` -> ``(gate [rows, F], up [rows, F])``."""
+        gate, up = super().gate_up(x, counts)
+        if not self.fc1 or self.merged:
+            return gate, up
+        r = self.rank
+        shared_A = torch.cat([self.w1_lora_A, self.w3_lora_A])  # [2r, Lt]: one GEMM for both projections
+        xa = self._adapter_input(x) @ shared_A.T  # [rows, 2r]
+        gate = gate + self.scale * grouped_mm(xa[:, :r], self.w1_lora_B, counts)
+        up = up + self.scale * grouped_mm(xa[:, r:], self.w3_lora_B, counts)
+        return gate, up
+
+    def down(self, h: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``h [rows, F]`` sorted by expert -> ``[rows, Lt]``."""
+        out = super().down(h, counts)
+        if not self.fc2 or self.merged:
+            return out
+        ha = grouped_mm(self._adapter_input(h), self.w2_lora_A, counts)  # [rows, r]
+        return out + self.scale * (ha @ self.w2_lora_B.T)
+
+    # ------------------------------------------------------------------ merge support
+    def delta_weights(self) -> dict[str, torch.Tensor]:
+        """The adapters as stacked weight deltas in float32: ``w1``/``w3`` [E, F, Lt], ``w2`` [E, Lt, F]."""
+        out: dict[str, torch.Tensor] = {}
+        if self.fc1:
+            out["w1"] = self.scale * (self.w1_lora_B.float() @ self.w1_lora_A.float())
+            out["w3"] = self.scale * (self.w3_lora_B.float() @ self.w3_lora_A.float())
+        if self.fc2:
+            out["w2"] = self.scale * (self.w2_lora_B.float() @ self.w2_lora_A.float())  # [Lt,r] @ [E,r,F]
+        return out
+
+    # ------------------------------------------------------------------ state dict
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)  # HF per-expert base names
+        for name in self.factor_names():
+            p = getattr(self, name)
+            destination[prefix + name] = p if keep_vars else p.detach()
+
+    def extra_repr(self) -> str:
+        E, Fi, Lt = self.w1.shape
+        return (f"experts={E}, latent={Lt}, intermediate={Fi}, rank={self.rank}, alpha={self.alpha:g}, "
+                f"dropout={self.dropout:g}, fc1={self.fc1}, fc2={self.fc2}, merged={self.merged}")

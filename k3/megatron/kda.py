@@ -1,0 +1,104 @@
+"""KDA as a megatron module: the reference layer's math (``k3.model.kda``) on TP-sharded heads.
+
+Each TP rank owns ``heads / tp`` KDA heads: the q/k/v/g/f_b/b projections, short convs, ``A_log`` and
+``dt_bias`` are split by head; ``f_a`` and the per-head output norm ``o_norm`` are replicated; ``o_proj`` is
+row-parallel. The heads are independent, so the recurrence runs locally on the full sequence (gathered from
+the sequence-parallel shards when entering the TP region).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.transformer.module import MegatronModule
+from torch import nn
+
+from k3.kernels.kda import kda_core
+from k3.megatron.config import K3TransformerConfig
+from k3.megatron.linears import ColumnParallel, DuplicatedLinear, RowParallel, enter_tp_region, mark_grad_sum
+from k3.megatron.sharded_state import tp_sharded_state_dict
+from k3.model.kda import CausalConv1d, kda_gate, l2_normalize
+from k3.model.norm import GatedRMSNorm
+from k3.model.precision import KeepsFloat32
+
+__all__ = ["K3KDAttention"]
+
+_HEAD_SPLIT = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "g_proj.weight", "f_b_proj.weight",
+               "b_proj.weight", "q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight", "A_log", "dt_bias")
+
+
+class K3KDAttention(KeepsFloat32, MegatronModule):
+    """One KDA layer; ``hidden [s/tp, b, hidden]`` (SP) or ``[s, b, hidden]`` in and out.
+
+    Parameter names are the checkpoint's (``self_attention.q_proj.weight`` …); ``A_log`` is ``[heads]`` (the
+    HF padding is handled by ``k3.checkpoint.names``). ``A_log``, ``dt_bias``, the conv weights and
+    ``o_norm`` stay float32 whatever the model dtype.
+    """
+
+    float32_params = ("A_log", "dt_bias")
+
+    def __init__(self, config: K3TransformerConfig, layer_number: int = 1, pg_collection=None) -> None:
+        super().__init__(config=config)
+        cfg, la = config.k3, config.k3.linear_attn_config
+        self.tp_group = pg_collection.tp
+        tp = self.tp_group.size()
+        H, P, D = cfg.hidden_size, cfg.kda_proj_size, la.head_dim
+        self.num_heads = la.num_heads // tp  # local heads
+        self.head_dim = D
+        self.lower_bound = la.gate_lower_bound
+        self.q_proj = ColumnParallel(H, P, config, self.tp_group)
+        self.k_proj = ColumnParallel(H, P, config, self.tp_group)
+        self.v_proj = ColumnParallel(H, P, config, self.tp_group)
+        self.q_conv1d = CausalConv1d(P // tp, la.short_conv_kernel_size)
+        self.k_conv1d = CausalConv1d(P // tp, la.short_conv_kernel_size)
+        self.v_conv1d = CausalConv1d(P // tp, la.short_conv_kernel_size)
+        self.f_a_proj = DuplicatedLinear(H, D, config)
+        self.f_b_proj = ColumnParallel(D, P, config, self.tp_group)
+        self.b_proj = ColumnParallel(H, la.num_heads, config, self.tp_group)
+        self.g_proj = ColumnParallel(H, P, config, self.tp_group)
+        self.A_log = nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.zeros(P // tp, dtype=torch.float32))
+        self.o_norm = GatedRMSNorm(D, cfg.rms_norm_eps)
+        self.o_proj = RowParallel(P, H, config, self.tp_group)
+        for p in (self.A_log, self.dt_bias, self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight):
+            set_tensor_model_parallel_attributes(p, True, 0, 1)
+        mark_grad_sum(self.o_norm.weight, "tp")
+        if config.perform_initialization:
+            self._init_small_params()
+
+    @torch.no_grad()
+    def _init_small_params(self) -> None:
+        # The reference model's init (fla's KDA init); real runs load a checkpoint over it.
+        for conv in (self.q_conv1d, self.k_conv1d, self.v_conv1d):
+            bound = conv.kernel_size**-0.5
+            nn.init.uniform_(conv.weight, -bound, bound)
+        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1.0, 16.0).log())
+        dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [s/tp, b, hidden]`` (normed) -> attention output, same layout."""
+        x = enter_tp_region(hidden, self.config, self.tp_group).transpose(0, 1).contiguous()  # [b, s, hidden]
+        b, s, _ = x.shape
+        heads = (b, s, self.num_heads, self.head_dim)
+
+        def short_conv(proj: ColumnParallel, conv: CausalConv1d) -> torch.Tensor:
+            y, _ = conv(proj(x), None)
+            return F.silu(y).to(x.dtype).view(heads)
+
+        q = l2_normalize(short_conv(self.q_proj, self.q_conv1d))
+        k = l2_normalize(short_conv(self.k_proj, self.k_conv1d))
+        v = short_conv(self.v_proj, self.v_conv1d)
+        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(heads), self.A_log, self.dt_bias, self.lower_bound)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        o, _ = kda_core(q, k, v, g, beta, scale=self.head_dim**-0.5)
+        o = self.o_norm(o, self.g_proj(x).view(heads), out_dtype=x.dtype)
+        return self.o_proj(o.reshape(b, s, -1).transpose(0, 1).contiguous())
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        axes = {name: 0 for name in _HEAD_SPLIT}
+        axes["o_proj.weight"] = 1
+        return tp_sharded_state_dict(self, prefix, axes, sharded_offsets, metadata, self.tp_group)

@@ -1,0 +1,321 @@
+"""LoRA on the K3 megatron modules under TP and EP (recipe §4.1-4.2; layouts from ``k3.lora.sharding``).
+
+``apply_megatron_lora`` freezes the model and attaches an adapter as ``linear.lora`` at the recipe's targets
+(the same coverage as ``k3.lora.targets``: ``mlp.linear_fc1/fc2`` also cover the MoE layers' shared experts).
+Each adapter holds its factors under the recipe's names (``o_lora_A``, ``fc1_lora_B``, ``w1_lora_A`` …), so a
+parameter's last name component is its ``k3.lora.sharding`` factor, and computes its delta with the
+communication its base needs:
+
+| base (module) | delta | communication |
+|---|---|---|
+| row-parallel ``o_proj`` | ``B · allreduce(A_t x_t)``, then the rank's SP shard | all-reduce of r-wide rows |
+| row-parallel ``linear_fc2`` | ``B · reduce_scatter(A_t x_t)`` (all-reduce without SP) | r-wide rows |
+| column-parallel ``linear_fc1`` | ``B_t · (A x)`` on the gathered input | none (inside the TP region) |
+| duplicated ``q_a``/``kv_a`` | ``B · (A x)`` on the gathered input | none (inside the TP region) |
+| routed experts fc1 / fc2 | shared-outer grouped GEMMs on the dispatched rows | none (outside TP) |
+
+Gradients: factors tagged ``k3_grad_sum`` are summed over TP / EP by ``k3.megatron.grads`` before megatron's
+data-parallel reduction, as ``k3.lora.sharding`` prescribes, with one difference: inside the TP region every
+consumer of the gathered input yields only its rank's gradient share (``k3.megatron.linears``), so the
+duplicated ``q_a``/``kv_a`` adapters' factors are summed over TP too. Routed-expert factors, shared or not,
+are expert parameters (reduced over expert-data-parallel ranks by megatron).
+
+Initial values are drawn from the *global* factor with a generator seeded by ``seed`` and the factor's
+global name, then sharded: the same ``seed`` gives the same adapters under every layout.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from torch import nn
+
+from k3.kernels.grouped_mm import grouped_mm
+from k3.lora.config import LoRAConfig, LoRAConfigError
+from k3.lora.sharding import ParallelLayout, factor_rule, gather, grad_sum_group, local_shape, shard
+from k3.megatron.kda import K3KDAttention
+from k3.megatron.linears import ColumnParallel, DuplicatedLinear, GroupedExpertLinear, RowParallel, mark_grad_sum
+from k3.megatron.mla import K3MLAttention
+from k3.megatron.mlp import K3SiTUMLP
+from k3.megatron.moe import K3LatentMoE, K3RoutedExperts
+
+__all__ = ["apply_megatron_lora", "lora_parameters", "gather_lora", "load_lora", "LoRAAdapter", "ParallelContext"]
+
+# Factors this implementation sums over TP although k3.lora.sharding lists no sum (see the module docstring).
+TP_SUM_IN_REGION = ("q_a_lora_A", "q_a_lora_B", "kv_a_lora_A", "kv_a_lora_B")
+
+
+class ParallelContext:
+    """The layout and this rank's place in it, as the adapters need them."""
+
+    def __init__(self, pg_collection, sequence_parallel: bool) -> None:
+        self.tp_group, self.ep_group = pg_collection.tp, pg_collection.ep
+        self.layout = ParallelLayout(tp=self.tp_group.size(), ep=self.ep_group.size(),
+                                     sequence_parallel=sequence_parallel and self.tp_group.size() > 1)
+
+    def rank_in(self, group: str | None) -> int:
+        return {"tp": self.tp_group.rank(), "ep": self.ep_group.rank(), None: 0}[group]
+
+
+class LoRAAdapter(nn.Module):
+    """Base of the adapters: owns the factors, the scale ``alpha / r`` and the input dropout."""
+
+    def __init__(self, lora: LoRAConfig, ctx: ParallelContext, global_name: str, seed: int) -> None:
+        super().__init__()
+        self.rank, self.scale, self.dropout = lora.rank, lora.scale, lora.dropout
+        self.ctx, self.global_name, self.seed = ctx, global_name, seed
+
+    def add_factor(self, factor: str, global_shape: tuple[int, ...], like: torch.Tensor,
+                   xavier_fan_in: int | None = None) -> nn.Parameter:
+        """Register ``factor`` (this rank's piece of ``global_shape``); A factors are Xavier-uniform over each
+        ``[r, fan_in]`` slice, B factors zero."""
+        rule = factor_rule(factor)
+        if xavier_fan_in is None:
+            piece = torch.zeros(local_shape(factor, global_shape, self.ctx.layout))
+        else:
+            gen = torch.Generator().manual_seed(self.seed ^ zlib.crc32(f"{self.global_name}.{factor}".encode()))
+            bound = math.sqrt(6.0 / (xavier_fan_in + self.rank))
+            full = torch.empty(global_shape).uniform_(-bound, bound, generator=gen)
+            piece = shard(full, factor, self.ctx.layout, self.ctx.rank_in(rule.split_group))
+        param = nn.Parameter(piece.to(device=like.device, dtype=like.dtype))
+        if rule.split_group == "tp":
+            set_tensor_model_parallel_attributes(param, True, rule.split_dim, 1)
+        group = "tp" if factor in TP_SUM_IN_REGION else grad_sum_group(factor, self.ctx.layout)
+        if group is not None and self.ctx.layout.size(group) > 1:
+            mark_grad_sum(param, group)
+        param.k3_lora_factor = factor
+        self.register_parameter(factor, param)
+        return param
+
+    def adapter_input(self, x: torch.Tensor) -> torch.Tensor:
+        """Dropout on the adapter input (training only). The default generator is seeded alike on the TP
+        ranks, so a replicated input gets the same mask on each; split inputs override this."""
+        return F.dropout(x, self.dropout, self.training) if self.dropout > 0 else x
+
+
+class ReplicatedInputLoRA(LoRAAdapter):
+    """Column-parallel or duplicated base, full input inside the TP region: ``delta = s · B (A x)``.
+
+    ``prefix`` is the factor prefix (``fc1``, ``q_a``, ``kv_a``); ``B`` is this rank's rows of the base output
+    (all rows for a duplicated base; ``[gate_t; up_t]`` for fc1).
+    """
+
+    def __init__(self, base: ColumnParallel | DuplicatedLinear, prefix: str, global_out: int, **kw) -> None:
+        super().__init__(**kw)
+        w = base.weight
+        self.a_name, self.b_name = f"{prefix}_lora_A", f"{prefix}_lora_B"
+        self.add_factor(self.a_name, (self.rank, w.shape[1]), w, xavier_fan_in=w.shape[1])
+        self.add_factor(self.b_name, (global_out, self.rank), w)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        u = F.linear(self.adapter_input(x), getattr(self, self.a_name))
+        return self.scale * F.linear(u, getattr(self, self.b_name))
+
+
+class RowParallelLoRA(LoRAAdapter):
+    """Row-parallel base: ``A`` split like the base input, ``B`` replicated.
+
+    ``reduce="all_reduce"`` (o_proj): ``u = allreduce(A_t x_t)`` on the full sequence, ``delta = B u``, then the
+    rank's sequence shard. ``reduce="reduce_scatter"`` (fc2): ``u`` reduce-scattered to the sequence shard
+    first, then ``B`` (whose gradient is then summed over TP).
+    """
+
+    def __init__(self, base: RowParallel, prefix: str, global_in: int, reduce: str, **kw) -> None:
+        super().__init__(**kw)
+        w = base.weight
+        self.a_name, self.b_name = f"{prefix}_lora_A", f"{prefix}_lora_B"
+        self.reduce = reduce
+        self.add_factor(self.a_name, (self.rank, global_in), w, xavier_fan_in=global_in)
+        self.add_factor(self.b_name, (w.shape[0], self.rank), w)
+
+    def adapter_input(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dropout == 0 or not self.training:
+            return x
+        with tensor_parallel.get_cuda_rng_tracker().fork():  # the input is split over TP: masks per rank
+            return F.dropout(x, self.dropout, True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [s, b, in/tp]`` -> delta in the base output's layout (``[s/tp, b, out]`` with SP)."""
+        u = F.linear(self.adapter_input(x), getattr(self, self.a_name))
+        tp, sp = self.ctx.tp_group, self.ctx.layout.sequence_parallel
+        if tp.size() > 1 and sp and self.reduce == "reduce_scatter":
+            u = tensor_parallel.reduce_scatter_to_sequence_parallel_region(u, group=tp)
+            return self.scale * F.linear(u, getattr(self, self.b_name))
+        if tp.size() > 1:
+            u = tensor_parallel.reduce_from_tensor_model_parallel_region(u, group=tp)
+        delta = self.scale * F.linear(u, getattr(self, self.b_name))
+        if tp.size() > 1 and sp:
+            delta = tensor_parallel.scatter_to_sequence_parallel_region(delta, group=tp)
+        return delta
+
+
+class ExpertFc1LoRA(LoRAAdapter):
+    """Routed experts' gate/up: shared ``w1_lora_A``/``w3_lora_A`` [r, Lt], per-expert ``w1_lora_B``/``w3_lora_B``
+    [E_local, F, r]; ``delta_e = s · [B1_e (A1 x) | B3_e (A3 x)]`` (the fc1 output layout ``[gate | up]``)."""
+
+    def __init__(self, base: GroupedExpertLinear, num_experts: int, **kw) -> None:
+        super().__init__(**kw)
+        w = base.weight  # [E_local, 2F, Lt]
+        F_, Lt = w.shape[1] // 2, w.shape[2]
+        for name in ("w1", "w3"):
+            self.add_factor(f"{name}_lora_A", (self.rank, Lt), w, xavier_fan_in=Lt)
+        for name in ("w1", "w3"):
+            self.add_factor(f"{name}_lora_B", (num_experts, F_, self.rank), w)
+        for p in self.parameters(recurse=False):
+            p.allreduce = False
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        u = self.adapter_input(x) @ torch.cat([self.w1_lora_A, self.w3_lora_A]).t()  # [rows, 2r]: one GEMM
+        u1, u3 = u.split(self.rank, dim=-1)
+        return self.scale * torch.cat([grouped_mm(u1, self.w1_lora_B, counts),
+                                       grouped_mm(u3, self.w3_lora_B, counts)], dim=-1)
+
+
+class ExpertFc2LoRA(LoRAAdapter):
+    """Routed experts' down: per-expert ``w2_lora_A`` [E_local, r, F], shared ``w2_lora_B`` [Lt, r];
+    ``delta_e = s · B2 (A2_e h)``."""
+
+    def __init__(self, base: GroupedExpertLinear, num_experts: int, **kw) -> None:
+        super().__init__(**kw)
+        w = base.weight  # [E_local, Lt, F]
+        Lt, F_ = w.shape[1], w.shape[2]
+        self.add_factor("w2_lora_A", (num_experts, self.rank, F_), w, xavier_fan_in=F_)
+        self.add_factor("w2_lora_B", (Lt, self.rank), w)
+        for p in self.parameters(recurse=False):
+            p.allreduce = False
+
+    def forward(self, h: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        u = grouped_mm(self.adapter_input(h), self.w2_lora_A, counts)  # [rows, r]
+        return self.scale * F.linear(u, self.w2_lora_B)
+
+
+def _layers(model: nn.Module):
+    decoder = getattr(model, "decoder", None)
+    if decoder is None:
+        raise LoRAConfigError(f"apply_megatron_lora: {type(model).__name__} has no .decoder (expected the GPTModel "
+                              "from k3_model_provider)")
+    return decoder.layers
+
+
+def apply_megatron_lora(model: nn.Module, lora: LoRAConfig, seed: int = 0) -> list[str]:
+    """Freeze ``model`` (a ``k3_model_provider`` stage) and attach adapters at ``lora.target_modules``.
+
+    Returns the global names of the adapted linears. Call it before wrapping the model in megatron's DDP.
+    Raises ``LoRAConfigError`` when a target matches nothing on this stage and ``TypeError`` if LoRA is on.
+    """
+    if not isinstance(lora, LoRAConfig):
+        raise TypeError(f"apply_megatron_lora: lora is a {type(lora).__name__}, expected LoRAConfig")
+    if any(isinstance(m, LoRAAdapter) for m in model.modules()):
+        raise TypeError("apply_megatron_lora: the model already carries LoRA adapters")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    targets = set(lora.target_modules)
+    adapted: list[str] = []
+    hits = {t: 0 for t in targets}
+
+    for layer in _layers(model):
+        prefix = f"decoder.layers.{layer.layer_idx}."
+        attn, mlp = layer.self_attention, layer.mlp
+        ctx = ParallelContext(layer.pg_collection, layer.config.sequence_parallel)
+
+        def attach(linear: nn.Module, name: str, adapter_cls, target: str, **kw) -> None:
+            linear.lora = adapter_cls(linear, **kw, lora=lora, ctx=ctx, global_name=prefix + name, seed=seed)
+            adapted.append(prefix + name)
+            hits[target] += 1
+
+        if "self_attention.o_proj" in targets and isinstance(attn, (K3KDAttention, K3MLAttention)):
+            attach(attn.o_proj, "self_attention.o_proj", RowParallelLoRA, "self_attention.o_proj", prefix="o",
+                   global_in=attn.o_proj.input_size, reduce="all_reduce")
+        if isinstance(attn, K3MLAttention):
+            for target, leaf, fp in (("self_attention.q_a_proj", "q_a_proj", "q_a"),
+                                     ("self_attention.kv_a_proj_with_mqa", "kv_a_proj_with_mqa", "kv_a")):
+                if target in targets:
+                    linear = getattr(attn, leaf)
+                    attach(linear, f"self_attention.{leaf}", ReplicatedInputLoRA, target, prefix=fp,
+                           global_out=linear.weight.shape[0])
+        mlps = [("mlp.", mlp)] if isinstance(mlp, K3SiTUMLP) else []
+        if isinstance(mlp, K3LatentMoE) and mlp.shared_experts is not None:
+            mlps.append(("mlp.shared_experts.", mlp.shared_experts))
+        for sub, m in mlps:
+            if "mlp.linear_fc1" in targets:
+                attach(m.linear_fc1, sub + "linear_fc1", ReplicatedInputLoRA, "mlp.linear_fc1", prefix="fc1",
+                       global_out=m.linear_fc1.output_size)
+            if "mlp.linear_fc2" in targets:
+                attach(m.linear_fc2, sub + "linear_fc2", RowParallelLoRA, "mlp.linear_fc2", prefix="fc2",
+                       global_in=m.linear_fc2.input_size, reduce="reduce_scatter")
+        if isinstance(mlp, K3LatentMoE):
+            experts: K3RoutedExperts = mlp.experts
+            E = layer.config.k3.num_experts
+            if "mlp.experts.linear_fc1" in targets:
+                attach(experts.linear_fc1, "mlp.experts.linear_fc1", ExpertFc1LoRA, "mlp.experts.linear_fc1",
+                       num_experts=E)
+            if "mlp.experts.linear_fc2" in targets:
+                attach(experts.linear_fc2, "mlp.experts.linear_fc2", ExpertFc2LoRA, "mlp.experts.linear_fc2",
+                       num_experts=E)
+    missing = sorted(t for t, n in hits.items() if n == 0)
+    whole_model = len(_layers(model)) == getattr(model.config, "num_layers", -1)
+    if missing and whole_model:  # a pipeline stage may legitimately hold no layer of a target's kind
+        raise LoRAConfigError(f"LoRA targets {missing} match no module on this pipeline stage")
+    model.lora_config = lora
+    return adapted
+
+
+def lora_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``(name, parameter)`` of every adapter factor, in model order."""
+    return [(n, p) for n, p in model.named_parameters() if hasattr(p, "k3_lora_factor")]
+
+
+
+def _adapters(model: nn.Module):
+    """``(global adapter-parameter name, parameter, adapter)`` for every factor on this stage."""
+    for layer in _layers(model):
+        for module_name, module in layer.named_modules():
+            if isinstance(module, LoRAAdapter):
+                for factor, p in module.named_parameters(recurse=False):
+                    yield f"decoder.layers.{layer.layer_idx}.{module_name}.{factor}", p, module
+
+
+def gather_lora(model: nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
+    """Every adapter factor of this stage as its *global* tensor (gathered over TP/EP; collective: every rank
+    of the stage calls it). ``grads=True`` gathers the gradients (``main_grad`` under megatron's DDP) instead."""
+    import torch.distributed as dist
+
+    out: dict[str, torch.Tensor] = {}
+    for name, p, adapter in _adapters(model):
+        t = p
+        if grads:
+            t = getattr(p, "main_grad", None)
+            t = p.grad if t is None else t
+            if t is None:
+                raise RuntimeError(f"gather_lora: {name} has no gradient yet")
+        t = t.detach()
+        rule = factor_rule(p.k3_lora_factor)
+        if rule.split_group is not None and adapter.ctx.layout.size(rule.split_group) > 1:
+            group = adapter.ctx.tp_group if rule.split_group == "tp" else adapter.ctx.ep_group
+            pieces = [torch.empty_like(t) for _ in range(group.size())]
+            dist.all_gather(pieces, t.contiguous(), group=group)
+            t = gather(pieces, p.k3_lora_factor)
+        out[name] = t.clone()
+    return out
+
+
+@torch.no_grad()
+def load_lora(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Set every adapter factor of this stage from its global tensor in ``state`` (names as ``gather_lora``'s;
+    tensors of other stages are ignored, a missing one raises ``KeyError``)."""
+    names = {name for name, _, _ in _adapters(model)}
+    missing = sorted(names - set(state))
+    if missing:
+        raise KeyError(f"load_lora: no tensor for {len(missing)} factors, e.g. {missing[:3]}")
+    for name, p, adapter in _adapters(model):
+        rule = factor_rule(p.k3_lora_factor)
+        piece = shard(state[name], p.k3_lora_factor, adapter.ctx.layout, adapter.ctx.rank_in(rule.split_group))
+        if piece.shape != p.shape:
+            raise ValueError(f"load_lora: {name} is {tuple(state[name].shape)} globally, which gives a piece of "
+                             f"{tuple(piece.shape)}; the adapter holds {tuple(p.shape)}")
+        p.copy_(piece)

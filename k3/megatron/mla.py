@@ -1,0 +1,70 @@
+"""Gated NoPE MLA as a megatron module, with its own core attention (the reference layer's math, ``k3.model.mla``).
+
+megatron-core's MLA applies RoPE and its local-spec core attention cannot take MLA's head dims (``k_channels``),
+so K3 keeps its own: the latent projections ``q_a``/``kv_a`` are duplicated on every TP rank, ``q_b``/``kv_b``/
+``g_proj`` are column-parallel by head, ``o_proj`` is row-parallel; the shared 64-wide key slice ``k_r`` is
+broadcast to the rank's heads. Attention is causal over the full sequence (right padding needs no mask).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.module import MegatronModule
+
+from k3.megatron.config import K3TransformerConfig
+from k3.megatron.linears import ColumnParallel, DuplicatedLinear, RowParallel, enter_tp_region, mark_grad_sum
+from k3.megatron.sharded_state import tp_sharded_state_dict
+from k3.model.norm import RMSNorm
+
+__all__ = ["K3MLAttention", "causal_attention"]
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """``softmax(q kᵀ · scale + causal) v`` on ``[batch, heads, seq, dim]`` (q/k dim may differ from v's)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+
+
+class K3MLAttention(MegatronModule):
+    """One MLA layer; ``hidden [s/tp, b, hidden]`` (SP) or ``[s, b, hidden]`` in and out."""
+
+    def __init__(self, config: K3TransformerConfig, layer_number: int = 1, pg_collection=None) -> None:
+        super().__init__(config=config)
+        cfg = config.k3
+        self.tp_group = pg_collection.tp
+        tp = self.tp_group.size()
+        H, nh = cfg.hidden_size, cfg.num_attention_heads
+        self.num_heads = nh // tp  # local heads
+        self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.kv_lora_rank = cfg.kv_lora_rank
+        self.scale = cfg.qk_head_dim**-0.5
+        dtype = config.params_dtype
+        self.q_a_proj = DuplicatedLinear(H, cfg.q_lora_rank, config)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.mla_latent_norm_eps, dtype=dtype)
+        self.q_b_proj = ColumnParallel(cfg.q_lora_rank, nh * cfg.qk_head_dim, config, self.tp_group)
+        self.kv_a_proj_with_mqa = DuplicatedLinear(H, cfg.kv_lora_rank + cfg.qk_rope_head_dim, config)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.mla_latent_norm_eps, dtype=dtype)
+        self.kv_b_proj = ColumnParallel(cfg.kv_lora_rank, nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), config,
+                                        self.tp_group)
+        self.g_proj = ColumnParallel(H, nh * cfg.v_head_dim, config, self.tp_group)
+        self.o_proj = RowParallel(nh * cfg.v_head_dim, H, config, self.tp_group)
+        mark_grad_sum(self.q_a_layernorm.weight, "tp")
+        mark_grad_sum(self.kv_a_layernorm.weight, "tp")
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [s/tp, b, hidden]`` (normed) -> attention output, same layout."""
+        x = enter_tp_region(hidden, self.config, self.tp_group).transpose(0, 1).contiguous()  # [b, s, hidden]
+        b, s, _ = x.shape
+        nh = self.num_heads
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(b, s, nh, -1)
+        c_kv, k_shared = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(c_kv)).view(b, s, nh, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_shared.unsqueeze(2).expand(b, s, nh, self.rope_dim)], dim=-1)
+        o = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.scale)
+        o = o.transpose(1, 2).reshape(b, s, nh * self.v_dim) * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(o.transpose(0, 1).contiguous())
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        axes = {"q_b_proj.weight": 0, "kv_b_proj.weight": 0, "g_proj.weight": 0, "o_proj.weight": 1}
+        return tp_sharded_state_dict(self, prefix, axes, sharded_offsets, metadata, self.tp_group)

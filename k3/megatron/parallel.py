@@ -1,0 +1,61 @@
+"""Process groups for the megatron backend: ``torch.distributed`` + megatron's model-parallel groups."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+from k3.megatron.config import ParallelSizes
+
+__all__ = ["init_parallel", "destroy_parallel"]
+
+
+def init_parallel(sizes: ParallelSizes, seed: int | None = 1234, backend: str | None = None) -> None:
+    """Join the torchrun world (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``, or a single process
+    when unset) and create megatron's TP/EP/PP/DP groups for ``sizes``.
+
+    ``backend`` defaults to NCCL with CUDA, gloo without. The world size must be a multiple of ``tp * pp``
+    and of ``ep * pp`` (experts are not tensor-parallel). ``seed`` seeds megatron's model-parallel RNG streams
+    (CUDA); None skips it (checkpoint conversion, which draws no random numbers).
+    """
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:  # a lone process: a world of one
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=backend)
+    world = dist.get_world_size()
+    for what, n in (("tensor x pipeline", sizes.tp * sizes.pp), ("expert x pipeline", sizes.ep * sizes.pp)):
+        if world % n:
+            raise ValueError(f"world size {world} is not a multiple of {what} parallel size {n} "
+                             f"(TP={sizes.tp}, EP={sizes.ep}, PP={sizes.pp})")
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=sizes.tp,
+        pipeline_model_parallel_size=sizes.pp,
+        expert_model_parallel_size=sizes.ep,
+        expert_tensor_parallel_size=1,
+    )
+    if seed is not None:
+        model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_parallel() -> None:
+    """Tear down megatron's groups and the process group."""
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

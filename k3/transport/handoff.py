@@ -1,0 +1,492 @@
+"""Adapter hand-off between processes: one flattened bucket per chunk, an ack per chunk, versioned activation.
+
+The producer (a trainer rank) flattens each adapter chunk into one 1-D bucket and sends it with
+``torch.multiprocessing``'s reductions over a ``multiprocessing`` connection: a CUDA bucket travels as a CUDA
+IPC handle, a CPU bucket as a shared-memory segment — the same code path. The receiver (an engine) copies
+the chunk out of the bucket, drops its reference, and only then acks, so:
+
+* the producer keeps the bucket alive until the ack (and, with several producers feeding one engine, until
+  every producer has crossed ``barrier``), then releases it and, on CUDA, runs ``torch.cuda.ipc_collect()``;
+* a persistent ``TransferBuffer`` can be overwritten by the next chunk as soon as the ack arrives.
+
+Versioning: chunks of a version arrive in order (``is_first`` ... ``is_last``); the receiver rejects a chunk
+whose version, index or names do not fit the stream, discards the half-built version, and activates a
+version only after its last chunk arrived complete. A rejection comes back as ``HandoffRejected``.
+
+CPU sharing strategy: ``file_system``. Under torch's default ``file_descriptor`` strategy a segment is
+unlinked from ``/dev/shm`` the moment it is created and travels as a file descriptor, so a leaked bucket is
+invisible there (it shows only as mapped memory and open fds). Under ``file_system`` every shared storage
+is a named ``/dev/shm/torch_<pid>_*`` file that exists exactly as long as some process holds the storage,
+which makes "no segment left from this sync" a direct observation (``k3.transport.leakcheck``); it also
+uses no file descriptor per chunk. Torch allows one strategy per process, so the producer sets it
+process-wide; segments of a crashed process are reaped by torch's ``torch_shm_manager``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any, Protocol
+
+import torch
+import torch.multiprocessing as mp
+
+__all__ = [
+    "ChunkHeader", "Ack", "TransferBuffer", "AdapterProducer", "AdapterReceiver", "spawn_receiver",
+    "flatten_into", "unflatten", "digest_tensors", "use_file_system_sharing",
+    "HandoffError", "HandoffRejected", "HandoffTimeout",
+]
+
+_CLOSE = "close"
+
+
+class HandoffError(RuntimeError):
+    """The hand-off broke: the receiver went away, or the chunk stream was malformed."""
+
+
+class HandoffRejected(HandoffError):
+    """The receiver refused a chunk (wrong version, order, names or shapes); nothing of that version is active."""
+
+
+class HandoffTimeout(HandoffError):
+    """No ack within the timeout. The chunk's bucket is kept (the receiver may still read it) until
+    ``AdapterProducer.collect`` sees the late ack."""
+
+
+class ChunkLike(Protocol):
+    tensors: list[tuple[str, torch.Tensor]]
+    version: int
+    is_first: bool
+    is_last: bool
+    config: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ChunkHeader:
+    """What travels next to a bucket: how to cut it back into named tensors, and where it sits in the stream."""
+
+    version: int
+    index: int  # 0-based position of the chunk in its version
+    is_first: bool
+    is_last: bool
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: torch.dtype
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def numel(self) -> int:
+        return sum(math.prod(s) for s in self.shapes)
+
+
+@dataclass(frozen=True)
+class Ack:
+    """The receiver's answer to one chunk. ``digest`` (on the last chunk) fingerprints the activated version."""
+
+    version: int
+    index: int
+    ok: bool
+    error: str = ""
+    digest: str | None = None
+    active_version: int = 0
+
+
+def use_file_system_sharing() -> None:
+    """Switch this process's CPU tensor sharing to ``file_system`` (see the module docstring for why)."""
+    if mp.get_sharing_strategy() != "file_system":
+        mp.set_sharing_strategy("file_system")
+
+
+def flatten_into(bucket: torch.Tensor, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Copy ``tensors`` back to back into the 1-D ``bucket``; returns the filled prefix (a view)."""
+    numel = sum(t.numel() for t in tensors)
+    if numel > bucket.numel():
+        raise ValueError(f"bucket holds {bucket.numel()} elements, the chunk needs {numel}")
+    prefix = bucket[:numel]
+    torch.cat([t.reshape(-1) for t in tensors], out=prefix)
+    return prefix
+
+
+def unflatten(bucket: torch.Tensor, names: Sequence[str], shapes: Sequence[Sequence[int]]) -> list[tuple[str, torch.Tensor]]:
+    """Views of ``bucket`` cut into ``shapes`` (inverse of ``flatten_into``)."""
+    out, offset = [], 0
+    for name, shape in zip(names, shapes, strict=True):
+        n = math.prod(shape)
+        out.append((name, bucket[offset:offset + n].view(*shape)))
+        offset += n
+    if offset != bucket.numel():
+        raise ValueError(f"bucket has {bucket.numel()} elements, the header's shapes need {offset}")
+    return out
+
+
+def digest_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """SHA-256 over names, dtypes, shapes and bytes, in name order: equal iff the adapters are bit-identical."""
+    h = hashlib.sha256()
+    for name, t in sorted(named, key=lambda kv: kv[0]):
+        t = t.detach().contiguous().cpu()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _sync_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+class TransferBuffer:
+    """One persistent flat bucket per device that chunks are copied into, growing when a chunk is larger.
+
+    Reusing one allocation means one IPC handle / one shared-memory segment for the whole run instead of a
+    fresh one per chunk (fresh buckets rotate handles and ref-counter files and race the consumer's
+    release). The public recipe capped it at 512 MiB and asserted, which fails at rank >= 33 with expert
+    down-projection adapters; here it grows to ``max(needed, 2 x old)`` elements. Overwriting is safe only
+    because the producer waits for the ack of the previous chunk; after each copy the device stream is
+    synchronized, because CUDA IPC records its sync event only when a storage is first shared.
+
+    ``capacity`` is in elements of ``dtype``; ``grows`` counts reallocations after the first.
+    """
+
+    def __init__(self, device: torch.device | str, dtype: torch.dtype = torch.bfloat16, initial_numel: int = 0) -> None:
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())  # compare equal to tensors' devices
+        self.dtype = dtype
+        self.grows = 0
+        self._buffer: torch.Tensor | None = None
+        if initial_numel > 0:
+            self._allocate(initial_numel)
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._buffer is None else self._buffer.numel()
+
+    def _allocate(self, numel: int) -> None:
+        if self._buffer is not None:
+            self.grows += 1
+        self._buffer = None  # drop the old one first: the peak is then the new buffer, not both
+        buf = torch.empty(numel, dtype=self.dtype, device=self.device)
+        if buf.device.type == "cpu":
+            buf.share_memory_()
+        self._buffer = buf
+
+    def stage(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Copy ``tensors`` (all of ``dtype``) into the buffer; returns the filled prefix, ready to send."""
+        numel = sum(t.numel() for t in tensors)
+        if numel > self.capacity:
+            self._allocate(max(numel, 2 * self.capacity))
+        prefix = flatten_into(self._buffer, tensors)
+        _sync_device(self.device)
+        return prefix
+
+    def release(self) -> None:
+        """Free the buffer (after the last sync of a run)."""
+        self._buffer = None
+
+
+class AdapterProducer:
+    """The sending end of one connection to a receiver.
+
+    Args:
+        conn: a ``multiprocessing`` connection to the receiver (see ``spawn_receiver``).
+        transfer_buffer: copy every chunk into this persistent buffer instead of a fresh bucket per chunk.
+        ack_timeout_s: how long to wait for each ack (seconds).
+        barrier: called after each ack and before the bucket is released; with several producers feeding one
+            engine, a barrier across them (the recipe releases only after every producer got its ack).
+        on_bucket: called with every fresh bucket before it is sent (a leak gate tracks it; the persistent
+            transfer buffer is meant to stay, so it is not reported).
+    """
+
+    def __init__(
+        self,
+        conn: Connection,
+        transfer_buffer: TransferBuffer | None = None,
+        ack_timeout_s: float = 60.0,
+        barrier: Callable[[], None] | None = None,
+        on_bucket: Callable[[torch.Tensor], None] | None = None,
+    ) -> None:
+        if ack_timeout_s <= 0:
+            raise ValueError(f"ack_timeout_s={ack_timeout_s}: expected > 0")
+        self.conn = conn
+        self.transfer_buffer = transfer_buffer
+        self.ack_timeout_s = ack_timeout_s
+        self.barrier = barrier
+        self.on_bucket = on_bucket
+        # Buckets sent but not acked, by (version, index): the receiver may still be reading them.
+        self.unacked: dict[tuple[int, int], torch.Tensor] = {}
+        self._closed = False
+        use_file_system_sharing()
+
+    # ------------------------------------------------------------------ one chunk
+    def send_chunk(self, chunk: ChunkLike, index: int) -> Ack:
+        """Send one chunk as chunk ``index`` of its version and wait for the ack; returns it.
+
+        Raises ``HandoffRejected`` if the receiver refused it, ``HandoffTimeout`` without an ack in time.
+        """
+        if self._closed:
+            raise HandoffError("producer is closed")
+        if self.unacked:
+            self.collect()
+        if self.unacked and self.transfer_buffer is not None:
+            raise HandoffError(f"chunks {sorted(self.unacked)} were never acked; the transfer buffer they sit "
+                               "in cannot be overwritten")
+        names = tuple(n for n, _ in chunk.tensors)
+        tensors = [t for _, t in chunk.tensors]
+        if not tensors:
+            raise HandoffError(f"chunk {index} of version {chunk.version} has no tensors")
+        dtypes = {t.dtype for t in tensors}
+        devices = {t.device for t in tensors}
+        if len(dtypes) != 1 or len(devices) != 1:
+            raise HandoffError(f"chunk {index} mixes dtypes {dtypes} / devices {devices}: one bucket needs one of each")
+        header = ChunkHeader(
+            version=chunk.version, index=index, is_first=chunk.is_first, is_last=chunk.is_last, names=names,
+            shapes=tuple(tuple(t.shape) for t in tensors), dtype=tensors[0].dtype, config=dict(chunk.config),
+        )
+        if self.transfer_buffer is not None:
+            if self.transfer_buffer.dtype != header.dtype or self.transfer_buffer.device != tensors[0].device:
+                raise HandoffError(f"chunk {index}: {header.dtype} on {tensors[0].device} does not fit the transfer "
+                                   f"buffer ({self.transfer_buffer.dtype} on {self.transfer_buffer.device})")
+            bucket = self.transfer_buffer.stage(tensors)
+        else:
+            bucket = torch.empty(header.numel, dtype=header.dtype, device=tensors[0].device)
+            if bucket.device.type == "cpu":
+                bucket.share_memory_()  # allocate in shm directly: pickling would otherwise move (copy) it there
+            flatten_into(bucket, tensors)
+            _sync_device(bucket.device)
+            if self.on_bucket is not None:
+                self.on_bucket(bucket)
+        del tensors  # the chunk's own tensors can go as soon as the bucket holds them
+        key = (header.version, index)
+        self.unacked[key] = bucket
+        try:
+            self.conn.send((header, bucket))
+        except (BrokenPipeError, EOFError, OSError) as e:
+            raise HandoffError(f"receiver connection broke while sending chunk {index} of version "
+                               f"{header.version}: {e}") from e
+        del bucket
+        ack = self._wait_ack(key)
+        if self.barrier is not None:
+            self.barrier()
+        self._release(key)
+        if not ack.ok:
+            raise HandoffRejected(f"receiver rejected chunk {index} of version {header.version}: {ack.error}")
+        return ack
+
+    def _wait_ack(self, key: tuple[int, int]) -> Ack:
+        deadline = time.monotonic() + self.ack_timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                ready = left > 0 and self.conn.poll(left)
+            except (EOFError, OSError) as e:
+                raise HandoffError(f"receiver went away while chunk {key[1]} of version {key[0]} was in flight; "
+                                   "its bucket stays held") from e
+            if not ready:
+                raise HandoffTimeout(f"no ack for chunk {key[1]} of version {key[0]} within {self.ack_timeout_s:g} s; "
+                                     "its bucket stays held until the ack arrives (collect())")
+            try:
+                ack = self.conn.recv()
+            except (EOFError, OSError) as e:
+                raise HandoffError(f"receiver closed the connection before acking chunk {key[1]} of version "
+                                   f"{key[0]}; its bucket stays held") from e
+            if (ack.version, ack.index) == key:
+                return ack
+            self._release((ack.version, ack.index))  # a late ack of an earlier timed-out chunk
+
+    def _release(self, key: tuple[int, int]) -> None:
+        bucket = self.unacked.pop(key, None)
+        if bucket is not None and bucket.is_cuda:
+            del bucket
+            torch.cuda.ipc_collect()  # the receiver already dropped its reference: the block can go now
+
+    def collect(self) -> int:
+        """Release buckets whose late acks have arrived; returns how many are still unacked."""
+        try:
+            while self.unacked and self.conn.poll(0):
+                ack = self.conn.recv()
+                self._release((ack.version, ack.index))
+        except (EOFError, OSError):
+            pass
+        return len(self.unacked)
+
+    # ------------------------------------------------------------------ one version
+    def send_version(self, chunks: Iterable[ChunkLike]) -> Ack:
+        """Send a whole version chunk by chunk (each acked before the next); returns the last chunk's ack.
+
+        The stream must be one version, first chunk ``is_first``, last ``is_last``, nothing after it.
+        Each chunk is dropped as soon as it is in its bucket, so at most one exported chunk is alive here.
+        """
+        version: int | None = None
+        last: Ack | None = None
+        last_is_last = False
+        index = 0
+        for chunk in chunks:
+            if version is None:
+                version = chunk.version
+                if not chunk.is_first:
+                    raise HandoffError(f"version {version}: the first chunk is not marked is_first")
+            elif last_is_last:
+                raise HandoffError(f"version {version}: chunk {index} comes after the chunk marked is_last")
+            elif chunk.version != version:
+                raise HandoffError(f"version {version}: chunk {index} carries version {chunk.version}")
+            elif chunk.is_first:
+                raise HandoffError(f"version {version}: chunk {index} is marked is_first")
+            last_is_last = chunk.is_last
+            last = self.send_chunk(chunk, index)
+            del chunk
+            index += 1
+        if last is None:
+            raise HandoffError("send_version got no chunks")
+        if not last_is_last:
+            raise HandoffError(f"version {version}: the stream ended without a chunk marked is_last; the receiver "
+                               "keeps its previous version")
+        return last
+
+    def close(self) -> None:
+        """Tell the receiver to stop, and free the transfer buffer."""
+        if not self._closed:
+            self._closed = True
+            try:
+                self.conn.send(_CLOSE)
+            except (BrokenPipeError, OSError):
+                pass
+            if self.transfer_buffer is not None:
+                self.transfer_buffer.release()
+
+    def __enter__(self) -> "AdapterProducer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+ActivateFn = Callable[[int, dict[str, torch.Tensor], dict[str, Any]], None]
+
+
+class AdapterReceiver:
+    """The receiving end's state machine: stage chunks of one version, activate it only when complete.
+
+    Args:
+        expected: the adapter's tensors by PEFT name, as shapes (``{name: shape}``); when given, every name must
+            be expected, arrive once per version with that shape, and all must arrive before activation.
+        on_activate: called with ``(version, {name: tensor}, config)`` when a complete version activates (an
+            engine loads the adapter here). With it, the engine owns the adapter and the receiver keeps no copy
+            (``active`` stays empty); without it, ``active`` holds the last complete version.
+        device: where received tensors are copied to (default: the bucket's device).
+        digest: fingerprint the activated version into the last ack (costs one pass over the adapter).
+    """
+
+    def __init__(
+        self,
+        expected: Mapping[str, Sequence[int]] | None = None,
+        on_activate: ActivateFn | None = None,
+        device: torch.device | str | None = None,
+        digest: bool = True,
+    ) -> None:
+        self.expected = None if expected is None else {n: tuple(s) for n, s in expected.items()}
+        self.on_activate = on_activate
+        self.device = None if device is None else torch.device(device)
+        self.digest = digest
+        self.active_version = 0
+        self.active: dict[str, torch.Tensor] = {}
+        self.rejected = 0
+        self._staging: dict[str, torch.Tensor] | None = None
+        self._staging_version = 0
+        self._next_index = 0
+
+    def receive(self, header: ChunkHeader, bucket: torch.Tensor) -> Ack:
+        """Check one chunk against the stream, copy it out of ``bucket``, activate on the last; never raises."""
+        try:
+            digest = self._receive(header, bucket)
+        except _Reject as e:
+            self.rejected += 1
+            self._staging = None  # a half-built version is thrown away, never activated
+            return Ack(header.version, header.index, ok=False, error=str(e), active_version=self.active_version)
+        return Ack(header.version, header.index, ok=True, digest=digest, active_version=self.active_version)
+
+    def _receive(self, h: ChunkHeader, bucket: torch.Tensor) -> str | None:
+        if h.is_first:
+            if h.index != 0:
+                raise _Reject(f"chunk marked is_first has index {h.index}")
+            if h.version <= self.active_version:
+                raise _Reject(f"version {h.version} is not newer than the active version {self.active_version}")
+            self._staging, self._staging_version, self._next_index = {}, h.version, 0
+        elif self._staging is None:
+            raise _Reject(f"chunk {h.index} of version {h.version} arrived with no version open (is_first missing, "
+                          "or the version was already rejected)")
+        elif h.version != self._staging_version:
+            raise _Reject(f"chunk {h.index} carries version {h.version} inside version {self._staging_version}")
+        if h.index != self._next_index:
+            raise _Reject(f"version {h.version}: chunk index {h.index}, expected {self._next_index}")
+        if bucket.dim() != 1 or bucket.numel() != h.numel or bucket.dtype != h.dtype:
+            raise _Reject(f"version {h.version} chunk {h.index}: bucket {tuple(bucket.shape)} {bucket.dtype}, the "
+                          f"header describes {h.numel} elements of {h.dtype}")
+        for name, shape in zip(h.names, h.shapes, strict=True):
+            if name in self._staging or h.names.count(name) > 1:
+                raise _Reject(f"version {h.version}: {name} delivered twice")
+            if self.expected is not None:
+                if name not in self.expected:
+                    raise _Reject(f"version {h.version}: unexpected adapter tensor {name}")
+                if tuple(shape) != self.expected[name]:
+                    raise _Reject(f"version {h.version}: {name} has shape {tuple(shape)}, expected "
+                                  f"{self.expected[name]}")
+        device = self.device or bucket.device
+        for name, view in unflatten(bucket, h.names, h.shapes):
+            self._staging[name] = view.to(device, copy=True)
+        _sync_device(bucket.device)  # the copies must be done before the ack lets the producer reuse the bucket
+        self._next_index += 1
+        if not h.is_last:
+            return None
+        if self.expected is not None:
+            missing = sorted(set(self.expected) - set(self._staging))
+            if missing:
+                raise _Reject(f"version {h.version} ended with {len(missing)} adapter tensors missing, e.g. {missing[:3]}")
+        staged, self._staging = self._staging, None
+        if self.on_activate is not None:
+            try:
+                self.on_activate(h.version, staged, h.config)
+            except Exception as e:  # noqa: BLE001 - the engine's error goes back to the trainer in the ack
+                raise _Reject(f"version {h.version}: loading the adapter failed: {type(e).__name__}: {e}") from e
+        digest = digest_tensors(staged.items()) if self.digest else None
+        self.active = {} if self.on_activate is not None else staged
+        self.active_version = h.version
+        return digest
+
+
+class _Reject(Exception):
+    pass
+
+
+def _serve(conn: Connection, make_receiver: Callable[[], AdapterReceiver]) -> None:
+    """Receiver process main loop: one ack per chunk until the producer says close."""
+    receiver = make_receiver()
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        if isinstance(msg, str) and msg == _CLOSE:
+            return
+        header, bucket = msg
+        del msg
+        ack = receiver.receive(header, bucket)
+        del bucket  # drop the mapping before acking: the producer frees the storage on the ack
+        conn.send(ack)
+
+
+def spawn_receiver(make_receiver: Callable[[], AdapterReceiver]) -> tuple[mp.Process, Connection]:
+    """Start a receiver in a fresh ``spawn`` process; returns it and the producer's end of the connection.
+
+    ``make_receiver`` runs in the child, so it must be picklable (a module-level function or a
+    ``functools.partial`` of one). Close with ``AdapterProducer.close()`` then ``process.join()``.
+    """
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=True)
+    proc = ctx.Process(target=_serve, args=(child, make_receiver), daemon=True, name="k3-adapter-receiver")
+    proc.start()
+    child.close()
+    return proc, parent

@@ -1,0 +1,168 @@
+"""Shared-outer expert LoRA against a plain per-expert loop: forward, gradients, layout, batching, state dict."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import k3.lora.experts as lora_experts
+import k3.model.moe as moe
+from k3.lora.experts import LoRALatentExperts
+from k3.model.mlp import situ
+from k3.model.moe import LatentExperts
+
+E, LT, FI = 5, 16, 12
+
+
+def _experts(rank=4, alpha=8.0, fc1=True, fc2=True, seed=0, num_experts=E):
+    torch.manual_seed(seed)
+    base = LatentExperts(num_experts, LT, FI, beta=4.0, linear_beta=25.0)
+    with torch.no_grad():
+        for w in (base.w1, base.w2, base.w3):
+            w.normal_(std=0.2)
+    m = LoRALatentExperts(base, rank, alpha, fc1=fc1, fc2=fc2)
+    with torch.no_grad():
+        for name in m.factor_names():
+            if name.endswith("_B"):
+                getattr(m, name).normal_()
+    return base, m
+
+
+def _rows(counts):
+    counts = torch.tensor(counts)
+    return torch.randn(int(counts.sum()), LT), counts
+
+
+def _loop_reference(m: LoRALatentExperts, x, counts):
+    """gate, up, down outputs computed expert by expert with the shared-outer formulas."""
+    s = m.scale
+    gates, ups, downs, start = [], [], [], 0
+    for e, n in enumerate(counts.tolist()):
+        xe = x[start:start + n]
+        g, u = xe @ m.w1[e].T, xe @ m.w3[e].T
+        if m.fc1:
+            g = g + s * (xe @ m.w1_lora_A.T) @ m.w1_lora_B[e].T
+            u = u + s * (xe @ m.w3_lora_A.T) @ m.w3_lora_B[e].T
+        h = situ(g, u, m.beta, m.linear_beta)
+        d = h @ m.w2[e].T
+        if m.fc2:
+            d = d + s * (h @ m.w2_lora_A[e].T) @ m.w2_lora_B.T
+        gates.append(g), ups.append(u), downs.append(d)
+        start += n
+    return torch.cat(gates), torch.cat(ups), torch.cat(downs)
+
+
+@pytest.mark.parametrize("fc1, fc2", [(True, True), (True, False), (False, True)])
+@pytest.mark.parametrize("rank", [4, 3])  # 4: native grouped GEMM; 3: its stride rule fails -> padded path
+def test_forward_matches_the_per_expert_loop(fc1, fc2, rank):
+    _, m = _experts(rank=rank, fc1=fc1, fc2=fc2)
+    x, counts = _rows([3, 0, 5, 1, 4])  # an expert without rows is fine
+    g, u = m.gate_up(x, counts)
+    rg, ru, rd = _loop_reference(m, x, counts)
+    torch.testing.assert_close(g, rg, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(u, ru, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(m(x, counts), rd, rtol=1e-5, atol=1e-5)
+
+
+def test_gradients_match_the_per_expert_loop():
+    _, m = _experts()
+    x, counts = _rows([2, 4, 0, 3, 6])
+    m(x, counts).square().sum().backward()
+    got = {n: getattr(m, n).grad.clone() for n in m.factor_names()}
+    for n in m.factor_names():
+        getattr(m, n).grad = None
+    _loop_reference(m, x, counts)[2].square().sum().backward()
+    for n in m.factor_names():
+        torch.testing.assert_close(got[n], getattr(m, n).grad, rtol=1e-4, atol=1e-5, msg=n)
+    assert m.w1.grad is None and m.w2.grad is None and m.w3.grad is None
+
+
+def test_fresh_adapters_are_an_exact_no_op():
+    torch.manual_seed(3)
+    base = LatentExperts(E, LT, FI, 4.0, 25.0)
+    with torch.no_grad():
+        for w in (base.w1, base.w2, base.w3):
+            w.normal_(std=0.2)
+    x, counts = _rows([1, 2, 3, 4, 5])
+    want = base(x, counts)
+    m = LoRALatentExperts(base, rank=4, alpha=8)
+    assert torch.equal(m(x, counts), want)
+
+
+def test_shared_outer_layout_and_init():
+    base, m = _experts(rank=6, fc1=True, fc2=True)
+    shapes = {n: tuple(getattr(m, n).shape) for n in m.factor_names()}
+    assert shapes == {"w1_lora_A": (6, LT), "w3_lora_A": (6, LT), "w1_lora_B": (E, FI, 6),
+                      "w3_lora_B": (E, FI, 6), "w2_lora_A": (E, 6, FI), "w2_lora_B": (LT, 6)}
+    fresh = LoRALatentExperts(LatentExperts(E, LT, FI, 4.0, 25.0), rank=6, alpha=12)
+    for n in ("w1_lora_B", "w3_lora_B", "w2_lora_B"):
+        assert torch.count_nonzero(getattr(fresh, n)) == 0
+    for n, fan_in in (("w1_lora_A", LT), ("w3_lora_A", LT), ("w2_lora_A", FI)):
+        bound = math.sqrt(6 / (fan_in + 6))  # Xavier over each [r, fan_in] slice
+        a = getattr(fresh, n)
+        assert 0.8 * bound < a.abs().max() <= bound
+    assert m.w1 is base.w1 and m.w2 is base.w2 and not m.w1.requires_grad
+    assert not hasattr(base, "w1_lora_A")  # the adapters are not registered on the base module
+
+
+def test_batched_over_experts_no_python_loop(monkeypatch):
+    calls = {"n": 0}
+    real = lora_experts.grouped_mm
+
+    def counting(*a, **k):
+        calls["n"] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(lora_experts, "grouped_mm", counting)
+    monkeypatch.setattr(moe, "grouped_mm", counting)
+    for num_experts in (4, 32):
+        _, m = _experts(num_experts=num_experts)
+        counts = torch.full((num_experts,), 2)
+        x = torch.randn(2 * num_experts, LT)
+        calls["n"] = 0
+        m.gate_up(x, counts)
+        assert calls["n"] == 4  # base w1, w3 + adapter B1, B3, whatever the number of experts
+        calls["n"] = 0
+        m.down(torch.randn(2 * num_experts, FI), counts)
+        assert calls["n"] == 2
+
+
+def test_delta_weights_are_the_per_expert_products():
+    _, m = _experts()
+    d = m.delta_weights()
+    for e in range(E):
+        torch.testing.assert_close(d["w1"][e], m.scale * m.w1_lora_B[e] @ m.w1_lora_A)
+        torch.testing.assert_close(d["w3"][e], m.scale * m.w3_lora_B[e] @ m.w3_lora_A)
+        torch.testing.assert_close(d["w2"][e], m.scale * m.w2_lora_B @ m.w2_lora_A[e])
+
+
+def test_state_dict_keeps_hf_expert_names_and_round_trips():
+    _, m = _experts()
+    sd = m.state_dict()
+    assert {f"{e}.w{k}.weight" for e in range(E) for k in (1, 2, 3)} | set(m.factor_names()) == set(sd)
+    _, other = _experts(seed=9)
+    other.load_state_dict(sd)
+    for n in ("w1", "w2", "w3", *m.factor_names()):
+        assert torch.equal(getattr(other, n), getattr(m, n)), n
+
+
+def test_dropout_only_in_training():
+    base, m = _experts()
+    m.dropout = 0.5
+    x, counts = _rows([2, 2, 2, 2, 2])
+    m.eval()
+    torch.testing.assert_close(m(x, counts), _loop_reference(m, x, counts)[2], rtol=1e-5, atol=1e-5)
+    m.train()
+    assert not torch.allclose(m(x, counts), m.eval()(x, counts))
+
+
+def test_bad_construction_raises():
+    base, m = _experts()
+    with pytest.raises(TypeError, match="already"):
+        LoRALatentExperts(m, 4, 8)
+    with pytest.raises(TypeError, match="LatentExperts"):
+        LoRALatentExperts(torch.nn.Linear(2, 2), 4, 8)
+    with pytest.raises(ValueError, match="fc1 and/or fc2"):
+        LoRALatentExperts(LatentExperts(E, LT, FI, 4.0, 25.0), 4, 8, fc1=False, fc2=False)

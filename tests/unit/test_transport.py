@@ -1,0 +1,314 @@
+"""Hand-off: bucket layout, the growing transfer buffer, the receiver's version state machine (in process),
+and the protocol between two real processes (delivery, rejection, hold-until-ack, timeouts)."""
+
+from __future__ import annotations
+
+import functools
+import gc
+import os
+import re
+import time
+import weakref
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from k3.config import variant
+from k3.lora import LoRAConfig, apply_lora
+from k3.lora.export import AdapterChunk, export_chunks
+from k3.model import KimiK3ForCausalLM
+from k3.transport.handoff import (AdapterProducer, AdapterReceiver, ChunkHeader, HandoffError, HandoffRejected,
+                                  HandoffTimeout, TransferBuffer, digest_tensors, flatten_into, spawn_receiver,
+                                  unflatten)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _restore_sharing_strategy():
+    before = mp.get_sharing_strategy()
+    yield
+    mp.set_sharing_strategy(before)
+
+
+def _tiny_lora(seed=0):
+    torch.manual_seed(seed)
+    m = apply_lora(KimiK3ForCausalLM(variant("tiny")), LoRAConfig(rank=4, alpha=8))
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "lora_B" in n:
+                p.normal_()
+    return m
+
+
+def _chunk(version, names_shapes, is_first, is_last, fill=1.0):
+    return AdapterChunk([(n, torch.full(s, fill, dtype=torch.bfloat16)) for n, s in names_shapes], version,
+                        is_first, is_last)
+
+
+def _header_bucket(chunk, index):
+    tensors = [t for _, t in chunk.tensors]
+    bucket = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype)
+    flatten_into(bucket, tensors)
+    h = ChunkHeader(chunk.version, index, chunk.is_first, chunk.is_last, tuple(chunk.names),
+                    tuple(tuple(t.shape) for t in tensors), tensors[0].dtype)
+    return h, bucket
+
+
+# ---------------------------------------------------------------------- layout and buffer
+def test_flatten_unflatten_round_trip():
+    ts = [torch.randn(2, 3), torch.randn(4), torch.randn(1, 2, 2)]
+    bucket = torch.empty(20)
+    prefix = flatten_into(bucket, ts)
+    assert prefix.numel() == 14 and prefix.data_ptr() == bucket.data_ptr()
+    back = unflatten(prefix, ["a", "b", "c"], [t.shape for t in ts])
+    assert [n for n, _ in back] == ["a", "b", "c"] and all(torch.equal(x, t) for (_, x), t in zip(back, ts))
+    with pytest.raises(ValueError, match="holds 20 elements, the chunk needs 24"):
+        flatten_into(bucket, ts + [torch.zeros(10)])
+    with pytest.raises(ValueError, match="header's shapes need 12"):
+        unflatten(prefix, ["a", "b"], [(2, 3), (6,)])
+
+
+def test_digest_is_bit_exact():
+    a = [("x", torch.tensor([1.0, 2.0], dtype=torch.bfloat16))]
+    assert digest_tensors(a) == digest_tensors([("x", torch.tensor([1.0, 2.0], dtype=torch.bfloat16))])
+    assert digest_tensors(a) != digest_tensors([("x", torch.tensor([1.0, 2.015625], dtype=torch.bfloat16))])
+    assert digest_tensors(a) != digest_tensors([("y", a[0][1])])
+
+
+def test_transfer_buffer_reuses_and_grows():
+    buf = TransferBuffer("cpu", torch.float32)
+    v = buf.stage([torch.arange(10.0)])
+    assert buf.capacity == 10 and buf.grows == 0 and torch.equal(v, torch.arange(10.0))
+    assert v.is_shared()  # allocated in shared memory once, so sending it never moves it
+    ptr = v.data_ptr()
+    assert buf.stage([torch.ones(5)]).data_ptr() == ptr and buf.grows == 0
+    buf.stage([torch.ones(12)])
+    assert (buf.capacity, buf.grows) == (20, 1)  # max(needed, 2 x old)
+    buf.stage([torch.ones(50)])
+    assert (buf.capacity, buf.grows) == (50, 2)
+
+
+def test_transfer_buffer_grows_past_the_recipes_512_mib_cap():
+    """The recipe's buffer is max(first chunk, 512 MiB) and asserts on a larger chunk: the routed-expert chunk
+    at rank 33 has 33·8,268,288 BF16 elements (> 512 MiB). Here it grows (meta tensors: no allocation)."""
+    buf = TransferBuffer("meta", torch.bfloat16, initial_numel=(512 << 20) // 2)
+    with torch.device("meta"):
+        m = apply_lora(KimiK3ForCausalLM(variant("4layer")), LoRAConfig(rank=33, alpha=66))
+    routed = next(c for c in export_chunks(m, 1) if c.group == "routed_experts")
+    assert sum(t.numel() for _, t in routed.tensors) == 33 * 8_268_288 > (512 << 20) // 2
+    view = buf.stage([t for _, t in routed.tensors])
+    assert view.numel() == 33 * 8_268_288 and buf.grows == 1 and buf.capacity == 2 * (512 << 20) // 2
+
+
+# ---------------------------------------------------------------------- receiver state machine
+A = [("a.lora_A.weight", (2, 3)), ("a.lora_B.weight", (4, 2))]
+B = [("b.lora_A.weight", (2, 3))]
+EXPECTED = dict(A + B)
+
+
+def _send(rx, chunks):
+    return [rx.receive(*_header_bucket(c, i)) for i, c in enumerate(chunks)]
+
+
+def test_receiver_activates_only_a_complete_version():
+    seen = []
+    rx = AdapterReceiver(EXPECTED, on_activate=lambda v, t, c: seen.append((v, sorted(t), t["a.lora_B.weight"])))
+    first = rx.receive(*_header_bucket(_chunk(1, A, True, False), 0))
+    assert first.ok and rx.active_version == 0 and not seen  # half delivered: nothing active yet
+    last = rx.receive(*_header_bucket(_chunk(1, B, False, True), 1))
+    assert last.ok and rx.active_version == 1 and last.active_version == 1
+    assert [s[:2] for s in seen] == [(1, sorted(EXPECTED))]
+    assert torch.equal(seen[0][2], torch.ones(4, 2, dtype=torch.bfloat16))
+    assert last.digest == digest_tensors(list(_chunk(1, A, 1, 0).tensors) + list(_chunk(1, B, 0, 1).tensors))
+    assert rx.active == {}  # the engine owns the adapter; the receiver keeps no second copy
+
+
+@pytest.mark.parametrize("stream, match", [
+    ([_chunk(2, A, False, False)], "no version open"),
+    ([_chunk(2, A, True, False), _chunk(3, B, False, True)], "carries version 3 inside version 2"),
+    ([_chunk(2, A, True, False), _chunk(2, A, False, True)], "delivered twice"),
+    ([_chunk(2, A, True, False), _chunk(2, [("c.lora_A.weight", (2, 3))], False, True)], "unexpected"),
+    ([_chunk(2, A, True, False), _chunk(2, [("b.lora_A.weight", (3, 2))], False, True)], r"shape \(3, 2\)"),
+    ([_chunk(2, A, True, True)], "1 adapter tensors missing"),
+])
+def test_receiver_rejects_a_bad_stream_and_keeps_the_old_version(stream, match):
+    rx = AdapterReceiver(EXPECTED)
+    assert all(a.ok for a in _send(rx, [_chunk(1, A, True, False), _chunk(1, B, False, True)]))
+    old = dict(rx.active)
+    acks = _send(rx, stream)
+    assert all(a.ok for a in acks[:-1]) and not acks[-1].ok
+    assert re.search(match, acks[-1].error), acks[-1].error
+    assert rx.active_version == 1 and rx.active.keys() == old.keys()
+    assert all(torch.equal(rx.active[k], old[k]) for k in old)
+    # the half-built version is gone: continuing it is refused, a fresh version is accepted
+    assert not rx.receive(*_header_bucket(_chunk(2, B, False, True), 1)).ok
+    assert all(a.ok for a in _send(rx, [_chunk(5, A, True, False), _chunk(5, B, False, True)]))
+    assert rx.active_version == 5
+
+
+def test_receiver_rejects_stale_versions_out_of_order_chunks_and_bad_buckets():
+    rx = AdapterReceiver(EXPECTED)
+    _send(rx, [_chunk(3, A, True, False), _chunk(3, B, False, True)])
+    assert "not newer than the active version 3" in rx.receive(*_header_bucket(_chunk(3, A, True, False), 0)).error
+    rx.receive(*_header_bucket(_chunk(4, A, True, False), 0))
+    assert "chunk index 2, expected 1" in rx.receive(*_header_bucket(_chunk(4, B, False, True), 2)).error
+    h, bucket = _header_bucket(_chunk(6, A, True, False), 0)
+    assert "header describes 14 elements" in rx.receive(h, bucket[:-1]).error
+    assert rx.active_version == 3 and rx.rejected == 3
+
+
+def test_a_new_first_chunk_replaces_a_half_built_version():
+    rx = AdapterReceiver(EXPECTED)
+    rx.receive(*_header_bucket(_chunk(1, A, True, False), 0))  # producer died after the first chunk
+    assert all(a.ok for a in _send(rx, [_chunk(2, A, True, False, fill=7.0), _chunk(2, B, False, True)]))
+    assert rx.active_version == 2 and float(rx.active["a.lora_A.weight"][0, 0]) == 7.0
+
+
+def test_a_failing_engine_load_is_a_rejection():
+    def boom(v, t, c):
+        raise RuntimeError("engine out of memory")
+    rx = AdapterReceiver(EXPECTED, on_activate=boom)
+    acks = _send(rx, [_chunk(1, A, True, False), _chunk(1, B, False, True)])
+    assert not acks[-1].ok and "engine out of memory" in acks[-1].error and rx.active_version == 0
+
+
+def test_producer_refuses_malformed_streams_before_sending():
+    class NoConn:
+        def send(self, obj):
+            raise AssertionError("nothing may be sent")
+    p = AdapterProducer(NoConn())
+    with pytest.raises(HandoffError, match="not marked is_first"):
+        p.send_version([_chunk(1, A, False, True)])
+    with pytest.raises(HandoffError, match="no chunks"):
+        p.send_version([])
+    with pytest.raises(HandoffError, match="mixes dtypes"):
+        p.send_chunk(AdapterChunk([("x", torch.zeros(2)), ("y", torch.zeros(2, dtype=torch.bfloat16))], 1, True, True), 0)
+    with pytest.raises(ValueError, match="ack_timeout_s"):
+        AdapterProducer(NoConn(), ack_timeout_s=0)
+
+
+# ---------------------------------------------------------------------- two processes
+class _DelayedReceiver(AdapterReceiver):
+    """Acks after ``delay`` seconds (a lagging engine)."""
+
+    def __init__(self, delay: float, **kw) -> None:
+        super().__init__(**kw)
+        self.delay = delay
+
+    def receive(self, header, bucket):
+        time.sleep(self.delay)
+        return super().receive(header, bucket)
+
+
+def _make_receiver(delay: float = 0.0) -> AdapterReceiver:
+    m = _tiny_lora()
+    expected = {n: tuple(t.shape) for c in export_chunks(m, 0) for n, t in c.tensors}
+    return _DelayedReceiver(delay, expected=expected)
+
+
+def _torch_segments():
+    return {n for n in os.listdir("/dev/shm") if n.startswith(f"torch_{os.getpid()}_")}
+
+
+@pytest.fixture(scope="module")
+def receiver():
+    proc, conn = spawn_receiver(_make_receiver)
+    yield proc, conn
+    conn.send("close")
+    proc.join(timeout=30)
+    assert proc.exitcode == 0
+
+
+@pytest.mark.parametrize("buffered", [False, True])
+def test_versions_arrive_bit_exact_across_processes(receiver, buffered):
+    _, conn = receiver
+    m = _tiny_lora()
+    buffer = TransferBuffer("cpu", torch.bfloat16) if buffered else None
+    producer = AdapterProducer(conn, transfer_buffer=buffer, ack_timeout_s=30)
+    before = _torch_segments()  # CUDA IPC ref-counter files of earlier tests in this process may linger
+    base_version = 10 if buffered else 1
+    for v in (base_version, base_version + 1):
+        with torch.no_grad():
+            m.model.layers[2].block_sparse_moe.experts.w2_lora_B.add_(1.0)  # every version differs
+        want = digest_tensors([kv for c in export_chunks(m, v) for kv in c.tensors])
+        ack = producer.send_version(export_chunks(m, v))
+        assert ack.ok and ack.active_version == v and ack.digest == want
+    assert not producer.unacked
+    gc.collect()
+    if buffered:
+        largest = max(sum(t.numel() for _, t in c.tensors) for c in export_chunks(m, 0))
+        assert largest <= buffer.capacity < 2 * largest  # grown to fit the largest chunk, and no further
+        assert len(_torch_segments() - before) == 1  # one persistent segment for the whole run
+        buffer.release()
+    gc.collect()
+    assert _torch_segments() == before
+
+
+def test_a_rejected_version_raises_and_the_engine_keeps_the_old_one(receiver):
+    _, conn = receiver
+    m = _tiny_lora()
+    producer = AdapterProducer(conn, ack_timeout_s=30)
+    ok = producer.send_version(export_chunks(m, 50))
+    with pytest.raises(HandoffRejected, match="not newer than the active version 50"):
+        producer.send_version(export_chunks(m, 50))
+    chunks = list(export_chunks(m, 51))
+    bad = AdapterChunk(chunks[1].tensors[:1], 51, False, False)  # the dense chunk without 5 of its 6 tensors
+    producer.send_chunk(chunks[0], 0)
+    producer.send_chunk(bad, 1)
+    with pytest.raises(HandoffRejected, match="5 adapter tensors missing"):
+        for i, c in enumerate(chunks[2:], start=2):
+            producer.send_chunk(c, i)
+    with pytest.raises(HandoffRejected, match="no version open"):
+        producer.send_chunk(chunks[1], 1)
+    again = producer.send_version(export_chunks(m, 52))
+    assert again.digest == ok.digest  # same adapter values, now active as version 52
+
+
+def test_the_bucket_is_held_until_ack_and_barrier_then_freed():
+    proc, conn = spawn_receiver(functools.partial(_make_receiver, 0.2))
+    try:
+        refs, at_barrier = [], []
+        producer = None
+        before = _torch_segments()
+
+        def barrier():
+            # the ack is in, the bucket has not been released yet
+            at_barrier.append(all(r() is not None for r in refs[-1:]) and len(producer.unacked) == 1)
+
+        producer = AdapterProducer(conn, ack_timeout_s=30, barrier=barrier,
+                                   on_bucket=lambda b: refs.append(weakref.ref(b.untyped_storage())))
+        chunks = list(export_chunks(_tiny_lora(), 1))[:3]
+        chunks = [AdapterChunk(c.tensors, 1, i == 0, False) for i, c in enumerate(chunks)]
+        for i, c in enumerate(chunks):
+            producer.send_chunk(c, i)
+        gc.collect()
+        assert at_barrier == [True, True, True]
+        assert all(r() is None for r in refs)  # released after each ack
+        assert _torch_segments() == before
+
+        # an ack that does not come in time: the bucket stays held, collect() frees it when the ack lands
+        producer.ack_timeout_s = 0.05
+        nxt = list(export_chunks(_tiny_lora(), 1))[3]
+        with pytest.raises(HandoffTimeout, match="stays held"):
+            producer.send_chunk(AdapterChunk(nxt.tensors, 1, False, False), 3)
+        assert list(producer.unacked) == [(1, 3)] and len(_torch_segments() - before) == 1
+        deadline = time.monotonic() + 10
+        while producer.collect() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        gc.collect()
+        assert not producer.unacked and _torch_segments() == before
+        producer.close()
+        proc.join(timeout=30)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
+
+
+def test_a_dead_receiver_is_a_clear_error():
+    proc, conn = spawn_receiver(_make_receiver)
+    proc.kill()
+    proc.join()
+    producer = AdapterProducer(conn, ack_timeout_s=5)
+    with pytest.raises(HandoffError, match="receiver"):
+        producer.send_version(export_chunks(_tiny_lora(), 1))
