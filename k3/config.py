@@ -431,7 +431,7 @@ def _four_layer() -> K3Config:
 
 def _tiny() -> K3Config:
     # Same structure as full at CPU width: 9 layers, MLA at 1-based 4, 8, 9 (every 4th + last), AttnRes blocks
-    # of 3 so three blocks close, 8 experts top-2, latent (24) < hidden (64), one shared expert.
+    # of 3 so three blocks close, 8 experts top-2, latent (32, one MXFP4 block) < hidden (64), one shared expert.
     return K3Config(
         vocab_size=512,
         hidden_size=64,
@@ -448,7 +448,7 @@ def _tiny() -> K3Config:
         num_experts_per_token=2,
         num_shared_experts=1,
         moe_intermediate_size=32,
-        routed_expert_hidden_size=48,
+        routed_expert_hidden_size=32,
         attn_res_block_size=3,
         max_position_embeddings=4096,
         bos_token_id=1,

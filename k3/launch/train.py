@@ -75,7 +75,11 @@ def main(argv: Sequence[str]) -> int:
         print(f"k3 train: error: training loop not available yet (k3.rl.loop is missing); the resolved config "
               f"is in {json_path.parent}", file=sys.stderr)
         return 2
-    loop.run(resolved)
+    try:
+        loop.run(resolved)
+    except loop.TrainingError as e:
+        print(f"k3 train: error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

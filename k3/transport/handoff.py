@@ -36,7 +36,7 @@ import torch
 import torch.multiprocessing as mp
 
 __all__ = [
-    "ChunkHeader", "Ack", "TransferBuffer", "AdapterProducer", "AdapterReceiver", "spawn_receiver",
+    "ChunkHeader", "Ack", "TransferBuffer", "AdapterProducer", "AdapterReceiver", "spawn_receiver", "serve",
     "flatten_into", "unflatten", "digest_tensors", "use_file_system_sharing",
     "HandoffError", "HandoffRejected", "HandoffTimeout",
 ]
@@ -461,9 +461,12 @@ class _Reject(Exception):
     pass
 
 
-def _serve(conn: Connection, make_receiver: Callable[[], AdapterReceiver]) -> None:
-    """Receiver process main loop: one ack per chunk until the producer says close."""
-    receiver = make_receiver()
+def serve(conn: Connection, receiver: AdapterReceiver) -> None:
+    """Run ``receiver`` on ``conn`` until the producer says close (or goes away): one ack per chunk.
+
+    Works on any ``multiprocessing`` connection — a spawned child's pipe, or a Unix socket between two
+    unrelated processes such as two Ray actors (CPU buckets travel as named ``/dev/shm`` files, CUDA buckets
+    as IPC handles)."""
     while True:
         try:
             msg = conn.recv()
@@ -476,6 +479,11 @@ def _serve(conn: Connection, make_receiver: Callable[[], AdapterReceiver]) -> No
         ack = receiver.receive(header, bucket)
         del bucket  # drop the mapping before acking: the producer frees the storage on the ack
         conn.send(ack)
+
+
+def _serve(conn: Connection, make_receiver: Callable[[], AdapterReceiver]) -> None:
+    """Receiver process main loop (``spawn_receiver``'s target)."""
+    serve(conn, make_receiver())
 
 
 def spawn_receiver(make_receiver: Callable[[], AdapterReceiver]) -> tuple[mp.Process, Connection]:

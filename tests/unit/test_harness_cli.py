@@ -141,7 +141,7 @@ def _pytest(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("K3_CLUSTER_RUN", None)
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-                           str(REPO / "tests" / "cluster"), *args], cwd=cwd, env=env, capture_output=True,
+                           str(REPO / "tests" / "cluster" / "test_acceptance.py"), *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=120)
 
 

@@ -33,7 +33,7 @@ def _model(seed=0, rank=R, targets=None, randomize_B=True):
 
 def _expected_tiny_names_and_shapes(r=R):
     """§4.4 written out for the tiny config, independently of chunk_layout."""
-    H, I, E, F, Lt, S = 64, 128, 8, 32, 48, 32  # S: one shared expert of width 32
+    H, I, E, F, Lt, S = 64, 128, 8, 32, 32, 32  # S: one shared expert of width 32
     chunks = []
     for i in range(9):
         p = f"language_model.model.layers.{i}."

@@ -1,0 +1,387 @@
+"""The recipe's loop on one machine: rollout → reward → GRPO step → adapter sync → eval → adapter checkpoint.
+
+``run(resolved)`` is what ``k3 train`` calls after resolving and validating the flags. The trainer and the
+embedded engine run as Ray actors in the same placement-group bundle (colocated); memory is handed between
+them in the order of ``--colocate-memory-peak-device`` (recipe §5.4), and every sync is bracketed by memory
+records that the harness checks. The run directory follows docs/RUN_DIRECTORY.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from k3.launch.args import ResolvedConfig
+from k3.rl.grpo import GRPOConfig, group_advantages
+from k3.rl.metrics import MetricsWriter
+from k3.rl.policy import Trajectory
+from k3.rl.workers import EngineWorker, TrainerWorker, WorkerSpec
+
+STATE_NAME = "trainer_state.pt"
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (a broken sync, an engine that does not serve the new adapter, …)."""
+
+
+# ------------------------------------------------------------------------------------------------ data order
+def prompts_for_rollout(n_records: int, rollout_id: int, batch_size: int, seed: int, shuffle: bool) -> list[int]:
+    """Record indices of rollout ``rollout_id``: epochs of a seeded permutation, so a resumed run continues
+    with exactly the prompts an uninterrupted one would have used."""
+    out: list[int] = []
+    start = rollout_id * batch_size
+    for pos in range(start, start + batch_size):
+        epoch, i = divmod(pos, n_records)
+        order = list(range(n_records))
+        if shuffle:
+            random.Random(seed * 1_000_003 + epoch).shuffle(order)
+        out.append(order[i])
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ the loop
+class Loop:
+    """One run. ``trainer``/``engine`` are handles with a ``call(method, *args)`` facade (Ray or in-process)."""
+
+    def __init__(self, resolved: ResolvedConfig, trainer: Any, engine: Any, writer: MetricsWriter) -> None:
+        from k3.rl.data import load_prompts
+        from k3.rl.reward import get_reward_fn
+        from k3.tokenizer import load_tokenizer
+
+        self.r = resolved
+        self.a = resolved.args
+        self.trainer, self.engine, self.w = trainer, engine, writer
+        self.tokenizer = load_tokenizer(self.a.hf_checkpoint)
+        self.train_records = load_prompts(resolved.data.prompt_data)
+        self.eval_records = load_prompts(resolved.data.eval_prompt_data) if resolved.data.eval_prompt_data else []
+        self.eval_name = resolved.data.eval_dataset_name
+        self.reward_fn = get_reward_fn(self.a.reward_model)
+        self.version = 0
+
+    # -- pieces
+    def _encode(self, rec: dict) -> list[int]:
+        from k3.rl.chat import encode_prompt
+
+        return encode_prompt(self.tokenizer, rec["prompt"])
+
+    def _sampling(self, eval_: bool, seed: int):
+        from k3.rollout.protocol import SamplingParams
+
+        ro = self.r.rollout
+        if eval_:
+            return SamplingParams(temperature=ro.eval_temperature, top_p=1.0,
+                                  max_new_tokens=ro.eval_max_response_len, seed=seed)
+        return SamplingParams(temperature=ro.rollout_temperature, top_p=ro.rollout_top_p,
+                              max_new_tokens=self.a.rollout_max_response_len, seed=seed)
+
+    def _reward(self, sample, label: str) -> float:
+        return float(self.reward_fn(sample.text, label, tokens=sample.tokens))
+
+    def sync(self, rollout_id: int | None, cycle_start: float | None = None) -> dict[str, Any]:
+        """Adapter version + 1: export → hand-off → the engine must then serve exactly that version.
+
+        ``rollout_id`` None is the startup sync. ``cycle_start`` (perf_counter) is where this rollout's cycle
+        began, for ``perf/cycle_time`` (generate + train + sync; evals are outside cycles)."""
+        version = self.version + 1
+        sync_index = version - 1
+        out = self.trainer.call("update_weights", version)
+        for rec in out["memory"]:
+            keys = {k: v for k, v in rec.items() if k not in ("time", "event")}
+            self.w.write("memory", rollout_id, sync=sync_index, **keys)
+        served = self.engine.call("adapter_version")
+        if served != version:
+            raise TrainingError(
+                f"after update_weights the engine serves adapter version {served}, expected {version}: the "
+                "adapter sync is broken (the engine kept an old version)"
+            )
+        self.version = version
+        keys = {"sync": sync_index, "adapter/version": version, "adapter/chunks": out["chunks"],
+                "perf/update_weights_time": out["perf/update_weights_time"]}
+        if out.get("leak_problems"):
+            keys["leak"] = "; ".join(out["leak_problems"])
+            print(f"WARNING sync {sync_index}: {keys['leak']}", flush=True)
+        if cycle_start is not None:
+            keys["perf/cycle_time"] = time.perf_counter() - cycle_start
+        self.w.write("sync", rollout_id, **keys)
+        print(f"LoRA weight version {version} sent in {out['chunks']} chunks", flush=True)
+        return out
+
+    def evaluate(self, rollout_id: int) -> dict[str, Any]:
+        from k3.rollout.protocol import GenerateRequest
+
+        t0 = time.perf_counter()
+        reqs = [GenerateRequest(self._encode(r), {"label": r["label"]}) for r in self.eval_records]
+        samples = self.engine.call("generate", reqs, self._sampling(True, self.a.seed))
+        rewards = [self._reward(s, s.meta["label"]) for s in samples]
+        n_correct = int(sum(r >= 1.0 for r in rewards))
+        rec = {
+            f"eval/{self.eval_name}": sum(rewards) / max(len(rewards), 1),
+            f"eval/{self.eval_name}/n_correct": n_correct,
+            f"eval/{self.eval_name}/n": len(rewards),
+            f"eval/{self.eval_name}-truncated_ratio": sum(s.finish_reason == "length" for s in samples)
+            / max(len(samples), 1),
+            "perf/eval_time": time.perf_counter() - t0,
+            "adapter_version": self.version,
+        }
+        self.w.write("eval", rollout_id, **rec)
+        print(f"eval {rollout_id}: {self.eval_name} {rec[f'eval/{self.eval_name}']:.3f} "
+              f"({n_correct}/{len(rewards)})", flush=True)
+        return rec
+
+    def rollout_and_train(self, rollout_id: int) -> dict[str, Any]:
+        from k3.rollout.protocol import GenerateRequest
+
+        a, ro = self.a, self.r.rollout
+        t_cycle = time.perf_counter()
+        idx = prompts_for_rollout(len(self.train_records), rollout_id, a.rollout_batch_size, a.seed,
+                                  ro.rollout_shuffle)
+        reqs = []
+        for i in idx:  # prompt-major: the n samples of one prompt are contiguous (one GRPO group)
+            rec = self.train_records[i]
+            ids = self._encode(rec)
+            reqs += [GenerateRequest(ids, {"label": rec["label"], "prompt_index": i})
+                     for _ in range(a.n_samples_per_prompt)]
+        t0 = time.perf_counter()
+        samples = self.engine.call("generate", reqs, self._sampling(False, a.seed * 7919 + rollout_id))
+        rollout_time = time.perf_counter() - t0
+        stale = [s.adapter_version for s in samples if s.adapter_version != self.version]
+        if stale:
+            raise TrainingError(f"rollout {rollout_id}: samples from adapter version {stale[0]}, the trainer "
+                                f"is at version {self.version}")
+        rewards = torch.tensor([self._reward(s, s.meta["label"]) for s in samples])
+        adv = group_advantages(rewards, a.n_samples_per_prompt, std_normalize=self.r.grpo.grpo_std_normalization,
+                               eps=self.r.grpo.grpo_std_eps)
+        lens = [len(s.tokens) for s in samples]
+        rec = {
+            "rollout/raw_reward": float(rewards.mean()),
+            "rollout/advantages": float(adv.mean()),
+            "rollout/response_len/mean": sum(lens) / len(lens),
+            "rollout/response_len/max": max(lens),
+            "rollout/truncated_ratio": sum(s.finish_reason == "length" for s in samples) / len(samples),
+            "rollout/zero_std_ratio":
+                float((rewards.reshape(-1, a.n_samples_per_prompt).std(-1) == 0).float().mean()),
+            "perf/rollout_time": rollout_time,
+            "adapter_version": self.version,
+        }
+        self.w.write("rollout", rollout_id, **rec)  # written now, so a live watch sees the reward at once
+
+        # Colocated hand-off, recipe §5.4: the engine gives up its memory while the trainer works.
+        self._offload_engine_before_train()
+        trajs = [Trajectory(s.prompt_ids, s.tokens, float(adv[k])) for k, s in enumerate(samples)]
+        t0 = time.perf_counter()
+        old = self.trainer.call("log_probs", trajs)
+        log_probs_time = time.perf_counter() - t0
+        for t, lp in zip(trajs, old):
+            t.old_log_probs = lp
+        engine_lp = [lp for s in samples for lp in s.logprobs]
+        trainer_lp = [lp for o in old for lp in o]
+        t0 = time.perf_counter()
+        train_metrics: dict[str, float] = {}
+        gbs = a.global_batch_size
+        for start in range(0, len(trajs), gbs):  # one optimizer step per global batch
+            train_metrics = self.trainer.call("train_step", trajs[start:start + gbs])
+        train_time = time.perf_counter() - t0
+        self.w.write("train", rollout_id, **train_metrics, **{
+            "perf/train_time": train_time,
+            "perf/log_probs_time": log_probs_time,
+            "rollout/log_probs": sum(trainer_lp) / max(len(trainer_lp), 1),
+            "rollout/rollout_log_probs": sum(engine_lp) / max(len(engine_lp), 1),
+            "rollout/train_rollout_logprob_abs_diff":
+                sum(abs(x - y) for x, y in zip(trainer_lp, engine_lp)) / max(len(trainer_lp), 1),
+        })
+        self._onload_engine_after_train()
+        sync = self.sync(rollout_id, cycle_start=t_cycle)
+        self.engine.call("resume_memory", ["kv_cache", "cuda_graph"])
+        print(f"rollout {rollout_id}: reward {rec['rollout/raw_reward']:.3f}  "
+              f"len {rec['rollout/response_len/mean']:.1f}  rollout {rollout_time:.1f}s  train {train_time:.1f}s  "
+              f"sync {sync['perf/update_weights_time'] * 1e3:.0f}ms  "
+              f"mem {sync['memory'][-1]['memory/allocated_gb']:.3f} GB", flush=True)
+        return rec
+
+    def _offload_engine_before_train(self) -> None:
+        levels = set(self.a.offload_rollout_level)
+        tags = ["kv_cache", "cuda_graph"] + (["weights"] if "weight" in levels else [])
+        if self.a.colocate_memory_peak_device == "gpu":
+            # gpu mode: kv first, the trainer wakes while the engine weights are still resident, then weights.
+            self.engine.call("release_memory", ["kv_cache", "cuda_graph"])
+            if "weights" in tags:
+                self.engine.call("release_memory", ["weights"])
+        else:
+            self.engine.call("release_memory", tags)
+
+    def _onload_engine_after_train(self) -> None:
+        self.engine.call("resume_memory", ["weights"])
+
+    # -- checkpoints
+    def save(self, rollout_id: int) -> Path:
+        """Adapter (PEFT files) + optimizer state + loop state, atomically: a temp dir renamed into place."""
+        root = Path(self.r.run_dir) / "adapters"
+        root.mkdir(parents=True, exist_ok=True)
+        final = root / f"rollout_{rollout_id:06d}"
+        tmp = root / f".tmp-rollout_{rollout_id:06d}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.trainer.call("save_adapter", str(tmp))
+        state = {"rollout_id": rollout_id, "version": self.version, **self.trainer.call("optimizer_state")}
+        torch.save(state, tmp / STATE_NAME)
+        _fsync_dir(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        (root / "latest").write_text(final.name + "\n")
+        return final
+
+
+def _fsync_dir(path: Path) -> None:
+    for p in [*path.iterdir(), path] if path.is_dir() else [path]:
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete adapter checkpoint of a run (temp folders of an interrupted save are ignored)."""
+    root = Path(run_dir) / "adapters"
+    done = sorted(p for p in root.glob("rollout_*") if (p / STATE_NAME).exists()) if root.is_dir() else []
+    return done[-1] if done else None
+
+
+# ------------------------------------------------------------------------------------------------ actors
+class _Local:
+    """In-process handle with the same ``call`` facade as a Ray actor handle."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def call(self, method: str, *args: Any) -> Any:
+        return getattr(self.obj, method)(*args)
+
+
+class _Remote:
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+
+    def call(self, method: str, *args: Any) -> Any:
+        import ray
+
+        return ray.get(getattr(self.actor, method).remote(*args))
+
+
+def _grpo_config(r: ResolvedConfig) -> GRPOConfig:
+    o = r.optimizer
+    return GRPOConfig(eps_clip=r.grpo.eps_clip, eps_clip_high=r.grpo.eps_clip_high, std_eps=r.grpo.grpo_std_eps,
+                      lr=r.args.lr, betas=(o.adam_beta1, o.adam_beta2), weight_decay=o.weight_decay)
+
+
+def worker_spec(r: ResolvedConfig) -> WorkerSpec:
+    a = r.args
+    device = "cuda" if r.uses_gpus and torch.cuda.is_available() else "cpu"
+    return WorkerSpec(model_dir=str(a.hf_checkpoint), lora_rank=a.lora_rank, lora_alpha=float(a.lora_alpha),
+                      lora_dropout=a.lora_dropout, target_modules=tuple(a.target_modules), device=device,
+                      dtype="bfloat16" if device == "cuda" else "float32", seed=a.seed)
+
+
+def run(resolved: ResolvedConfig, *, in_process: bool | None = None, sabotage_sync: bool = False) -> int:
+    """Run the loop; returns 0. ``in_process`` skips Ray (tests; default from ``K3_IN_PROCESS``)."""
+    a = resolved.args
+    if a.backend == "megatron":
+        from k3.megatron.backend import require_cuda
+
+        require_cuda()
+    if a.rollout_engine != "embedded":
+        raise TrainingError("--rollout-engine sglang runs on GPU clusters only (make smoke-4layer / "
+                            "acceptance-full); on this machine use --rollout-engine embedded")
+    if a.backend == "torch" and resolved.layout.world_size > 1:
+        raise TrainingError(f"the torch backend trains on one rank, but this layout has "
+                            f"{resolved.layout.world_size} training ranks: use --backend megatron")
+    if in_process is None:
+        in_process = os.environ.get("K3_IN_PROCESS") == "1"
+    # Test hook: an engine that acks every chunk but never activates (keeps serving version 0).
+    sabotage_sync = sabotage_sync or os.environ.get("K3_TEST_BREAK_ADAPTER_SYNC") == "1"
+    spec = worker_spec(resolved)
+    grpo = _grpo_config(resolved)
+    max_tokens = resolved.args.max_tokens_per_gpu or 8192
+    writer = MetricsWriter(resolved.run_dir)
+    placement = None
+    t_start = time.time()
+    try:
+        writer.write("status", None, status="started", run_id=a.run_id)
+        if in_process:
+            trainer = _Local(TrainerWorker(spec, grpo, max_tokens))
+            engine = _Local(EngineWorker(spec, a.rollout_max_concurrency, a.lora_base_cpu_backup, sabotage_sync))
+        else:
+            import ray
+
+            from k3.launch.placement import RayPlacement
+
+            placement = RayPlacement.start(resolved)
+            trainer = _Remote(placement.create_actor(ray.remote(TrainerWorker), 0, "trainer", spec, grpo,
+                                                     max_tokens))
+            engine = _Remote(placement.create_actor(ray.remote(EngineWorker), 0, "engine", spec,
+                                                    a.rollout_max_concurrency, a.lora_base_cpu_backup,
+                                                    sabotage_sync))
+        trainer.call("connect", *engine.call("listen"))
+        loop = Loop(resolved, trainer, engine, writer)
+        start = 0
+        ckpt = latest_checkpoint(resolved.run_dir) if a.resume else None
+        if ckpt is not None:
+            state = torch.load(ckpt / STATE_NAME, weights_only=False)
+            trainer.call("load_adapter", str(ckpt))
+            trainer.call("load_optimizer_state", state)
+            loop.version = 0
+            start = int(state["rollout_id"]) + 1
+            writer.write("status", None, status="resumed", checkpoint=str(ckpt), next_rollout=start)
+        # The first sync ships the freshly initialised (or resumed) adapters: version 1.
+        loop.sync(None)
+        if loop.eval_records and not resolved.rollout.skip_eval_before_train and start == 0:
+            loop.evaluate(0)
+        interval = a.eval_interval
+        for rid in range(start, a.num_rollout):
+            loop.rollout_and_train(rid)
+            last = rid == a.num_rollout - 1
+            if loop.eval_records and interval and ((rid + 1) % interval == 0 or last):
+                loop.evaluate(rid)
+            if (rid + 1) % a.save_interval == 0 or last:
+                loop.save(rid)
+        writer.write("status", None, status="finished", wall_time_s=time.time() - t_start)
+        return 0
+    except BaseException as e:
+        writer.write("status", None, status="failed", error=f"{type(e).__name__}: {e}")
+        raise
+    finally:
+        try:
+            if placement is not None:
+                placement.shutdown()
+        finally:
+            writer.close()
+
+
+def summary(run_dir: str | Path) -> dict[str, Any]:
+    """First/last reward and eval of a run, from its metrics.jsonl (for the smoke's printout)."""
+    rows = [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rollouts = [r for r in rows if r["event"] == "rollout"]
+    evals = [r for r in rows if r["event"] == "eval"]
+    out: dict[str, Any] = {"rollouts": len(rollouts)}
+    if rollouts:
+        out["reward_first"] = rollouts[0]["rollout/raw_reward"]
+        out["reward_last"] = rollouts[-1]["rollout/raw_reward"]
+    for k in (evals[0] if evals else {}):
+        if k.startswith("eval/") and k.count("/") == 1:
+            out["eval_first"], out["eval_last"] = evals[0][k], evals[-1][k]
+    return out
+
+
+__all__ = ["run", "Loop", "latest_checkpoint", "prompts_for_rollout", "summary", "TrainingError", "asdict"]

@@ -1,0 +1,220 @@
+"""The two colocated roles of a training rank: the trainer (policy, GRPO, adapter export) and the rollout
+engine. Plain classes: ``k3.rl.loop`` runs them as Ray actors placed in the same bundle, tests may run them
+in-process.
+
+Adapter sync goes trainer → engine over a ``multiprocessing`` connection (a Unix socket the engine listens on):
+the trainer's ``AdapterProducer`` sends one flattened bucket per chunk (shared memory on CPU, CUDA IPC on GPU)
+and waits for the engine's ack; the engine's ``AdapterReceiver`` activates a version only when it is complete.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Client, Listener
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from k3.rl.policy import PolicyTrainer, Trajectory
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What both roles need to build their model: the BF16 checkpoint, LoRA shape, device, dtype."""
+
+    model_dir: str
+    lora_rank: int
+    lora_alpha: float
+    lora_dropout: float
+    target_modules: tuple[str, ...]
+    device: str = "cpu"
+    dtype: str = "float32"
+    seed: int = 0
+
+    def lora_config(self):
+        from k3.lora import LoRAConfig
+
+        return LoRAConfig(rank=self.lora_rank, alpha=self.lora_alpha, dropout=self.lora_dropout,
+                          target_modules=self.target_modules)
+
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+
+def _load_model(spec: WorkerSpec):
+    from k3.lora import apply_lora
+    from k3.model import KimiK3ForCausalLM
+
+    model = KimiK3ForCausalLM.from_pretrained(spec.model_dir, dtype=spec.torch_dtype(), device=spec.device)
+    torch.manual_seed(spec.seed)  # the LoRA A init is then the same on every rank and every restart
+    return apply_lora(model, spec.lora_config())
+
+
+class EngineWorker:
+    """The embedded rollout engine plus the receiving end of the adapter hand-off."""
+
+    def __init__(self, spec: WorkerSpec, max_concurrency: int, cpu_backup: bool = True,
+                 sabotage_sync: bool = False) -> None:
+        from k3.rollout.embedded import EmbeddedEngine
+        from k3.tokenizer import load_tokenizer
+
+        self.spec = spec
+        self.tokenizer = load_tokenizer(spec.model_dir)
+        self.engine = EmbeddedEngine(_load_model(spec), self.tokenizer, max_concurrency=max_concurrency,
+                                     device=spec.device, cpu_backup=cpu_backup)
+        # Test hook: an engine that acks but never activates (keeps serving version 0) — the smoke must fail.
+        self._sabotage = sabotage_sync
+        self._listener: Listener | None = None
+        self._thread: threading.Thread | None = None
+        self._error: str | None = None
+
+    # -- hand-off
+    def listen(self) -> tuple[str, bytes]:
+        """Open the adapter socket; returns ``(address, authkey)`` for the trainer's ``TrainerWorker.connect``."""
+        from k3.lora.export import chunk_layout
+        from k3.transport.handoff import AdapterReceiver, serve
+
+        layout = chunk_layout(self.engine.model.config, self.spec.lora_config())
+        expected = {name: shape for c in layout for name, shape in c.tensors}
+        path = os.path.join(tempfile.mkdtemp(prefix="k3-sync-"), "adapter.sock")
+        authkey = secrets.token_bytes(16)
+        self._listener = Listener(path, family="AF_UNIX", authkey=authkey)
+
+        def activate(version: int, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+            if self._sabotage:
+                return
+            self.engine._loader.load_tensors(tensors)
+            self.engine._version = version
+
+        receiver = AdapterReceiver(expected=expected, on_activate=activate, device=self.spec.device, digest=False)
+
+        def run() -> None:
+            try:
+                conn = self._listener.accept()
+                serve(conn, receiver)
+            except Exception as e:  # noqa: BLE001 - surfaced through error()
+                self._error = f"{type(e).__name__}: {e}"
+
+        self._thread = threading.Thread(target=run, name="k3-adapter-receiver", daemon=True)
+        self._thread.start()
+        return path, authkey
+
+    def error(self) -> str | None:
+        return self._error
+
+    # -- protocol passthrough
+    def generate(self, requests, sampling):
+        return self.engine.generate(requests, sampling)
+
+    def adapter_version(self) -> int:
+        return self.engine.adapter_version()
+
+    def release_memory(self, tags) -> None:
+        self.engine.release_memory(tags)
+
+    def resume_memory(self, tags) -> None:
+        self.engine.resume_memory(tags)
+
+    def shutdown(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+        self.engine.shutdown()
+
+
+class TrainerWorker:
+    """Policy + optimizer + the producing end of the hand-off, with leak accounting around every sync."""
+
+    def __init__(self, spec: WorkerSpec, grpo: Any, max_tokens_per_micro_batch: int, rank: int = 0) -> None:
+        from k3.tokenizer import load_tokenizer
+        from k3.transport.leakcheck import LeakCheck
+
+        self.spec = spec
+        self.rank = rank
+        self.tokenizer = load_tokenizer(spec.model_dir)
+        self.policy = PolicyTrainer(_load_model(spec), pad_id=self.tokenizer.pad_id, grpo=grpo,
+                                    max_tokens_per_micro_batch=max_tokens_per_micro_batch, device=spec.device)
+        self.leak = LeakCheck(device=spec.device)
+        self._producer = None
+
+    def connect(self, address: str, authkey: bytes, timeout_s: float = 30.0) -> None:
+        from k3.transport.handoff import AdapterProducer
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                conn = Client(address, family="AF_UNIX", authkey=authkey)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        self._producer = AdapterProducer(conn, on_bucket=self.leak.track)
+
+    # -- GRPO
+    def log_probs(self, trajs: list[Trajectory]) -> list[list[float]]:
+        return self.policy.log_probs(trajs)
+
+    def train_step(self, trajs: list[Trajectory]) -> dict[str, float]:
+        return self.policy.train_step(trajs)
+
+    # -- sync
+    def update_weights(self, version: int) -> dict[str, Any]:
+        """Export every adapter chunk of ``version`` and hand them to the engine; memory is sampled before and
+        after (the harness's ``returns_to_baseline``). Returns timings, chunk count and the memory records."""
+        from k3.lora.export import export_chunks
+
+        if self._producer is None:
+            raise RuntimeError("update_weights before connect(): the engine's adapter socket is not open")
+        before = self.leak.memory_record("before_update_weights", rank=self.rank)
+        t0 = time.perf_counter()
+        n = 0
+
+        def counted():
+            nonlocal n
+            for chunk in export_chunks(self.policy.model, version, device=self.spec.device):
+                n += 1
+                yield chunk
+
+        ack = self._producer.send_version(counted())
+        if not ack.ok:
+            raise RuntimeError(f"the engine rejected adapter version {version}: {ack.error}")
+        elapsed = time.perf_counter() - t0
+        # The first (startup) sync is the warm-up: its end is the baseline every later sync must return to.
+        problems = self.leak.end_sync() if self.leak.baseline is not None else (self.leak.set_baseline() and [])
+        after = self.leak.memory_record("after_update_weights", rank=self.rank)
+        return {"version": version, "chunks": n, "perf/update_weights_time": elapsed,
+                "memory": [before, after], "engine_active_version": ack.active_version,
+                "leak_problems": list(problems)}
+
+    # -- adapter checkpoints
+    def save_adapter(self, directory: str) -> str:
+        from k3.lora.export import save_peft_adapter
+
+        return str(save_peft_adapter(self.policy.model, directory, base_model_name_or_path=self.spec.model_dir))
+
+    def load_adapter(self, directory: str) -> None:
+        from k3.lora.export import load_peft_adapter
+
+        load_peft_adapter(self.policy.model, directory)
+
+    def optimizer_state(self) -> dict[str, Any]:
+        return {"optimizer": self.policy.optimizer.state_dict(), "steps": self.policy.steps}
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        self.policy.optimizer.load_state_dict(state["optimizer"])
+        self.policy.steps = int(state["steps"])
+
+    def close(self) -> None:
+        if self._producer is not None:
+            self._producer.close()
+            self._producer = None
+
+
+def checkpoint_path(run_dir: str | Path, rollout_id: int) -> Path:
+    return Path(run_dir) / "adapters" / f"rollout_{rollout_id:06d}"

@@ -1,0 +1,93 @@
+"""The RL loop end to end on a tiny random K3, in process (the Ray path is the smoke's): the run directory the
+harness reads, a broken adapter sync that must fail the run, resume from the adapter checkpoint."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from k3.config import variant
+from k3.launch.train import main as train_main
+from k3.model import KimiK3ForCausalLM
+from k3.rl.arith import write_arith_dataset
+from k3.rl.loop import latest_checkpoint, prompts_for_rollout
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("loop")
+    torch.manual_seed(0)
+    KimiK3ForCausalLM(variant("tiny").replace(quantization_config=None)).save_pretrained(root / "base")
+    write_arith_dataset(root / "data" / "arith", n_train=64, n_eval=8, seed=0)
+    return root
+
+
+def _argv(root, run, *extra):
+    return ["--mode", "normal", "--model-variant", "tiny", "--task", "arith", "--num-rollout", "2",
+            "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4",
+            "--rollout-max-response-len", "6", "--eval-interval", "2", "--lr", "1e-3", "--save-interval", "1",
+            "--hf-checkpoint", str(root / "base"), "--data-dir", str(root / "data"), "--run-dir", str(run),
+            *extra]
+
+
+def _events(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_run_directory_has_what_the_harness_reads(setup, monkeypatch):
+    monkeypatch.setenv("K3_IN_PROCESS", "1")
+    run = setup / "run"
+    assert train_main(_argv(setup, run)) == 0
+    ev = _events(run)
+    kinds = [e["event"] for e in ev]
+    assert kinds[0] == "status" and ev[0]["status"] == "started" and ev[-1]["status"] == "finished"
+    syncs = [e for e in ev if e["event"] == "sync"]
+    assert [s["sync"] for s in syncs] == [0, 1, 2] and [s["adapter/version"] for s in syncs] == [1, 2, 3]
+    assert syncs[0]["rollout_id"] is None and "perf/cycle_time" in syncs[1]
+    mem = [e for e in ev if e["event"] == "memory" and e["phase"] == "after_update_weights"]
+    assert [m["sync"] for m in mem] == [0, 1, 2] and all(m["rank"] == 0 for m in mem)
+    assert all(m["memory/allocated_gb"] > 0 for m in mem)
+    rollouts = [e for e in ev if e["event"] == "rollout"]
+    assert [r["rollout_id"] for r in rollouts] == [0, 1]
+    assert all(0 <= r["rollout/raw_reward"] <= 1 for r in rollouts)
+    evals = [e for e in ev if e["event"] == "eval"]
+    assert [e["rollout_id"] for e in evals] == [0, 1] and all(e["eval/arith/n"] == 8 for e in evals)
+    train = [e for e in ev if e["event"] == "train"]
+    assert len(train) == 2 and all(t["rollout/train_rollout_logprob_abs_diff"] < 1e-3 for t in train)
+    text = (run / "resolved_config.txt").read_text()
+    assert "expert_model_parallel_size" in text and "lora_base_cpu_backup" in text
+    assert latest_checkpoint(run).name == "rollout_000001"
+
+
+def test_resume_continues_with_the_next_rollout(setup, monkeypatch):
+    monkeypatch.setenv("K3_IN_PROCESS", "1")
+    run = setup / "resume"
+    assert train_main(_argv(setup, run)) == 0
+    assert train_main(_argv(setup, run, "--resume", "--num-rollout", "3")) == 0
+    ev = _events(run)
+    resumed = [e for e in ev if e.get("status") == "resumed"]
+    assert len(resumed) == 1 and resumed[0]["next_rollout"] == 2
+    assert [e["rollout_id"] for e in ev if e["event"] == "rollout"] == [0, 1, 2]
+    assert latest_checkpoint(run).name == "rollout_000002"
+
+
+def test_broken_adapter_sync_fails_the_run_and_the_verdict(setup, monkeypatch):
+    monkeypatch.setenv("K3_IN_PROCESS", "1")
+    monkeypatch.setenv("K3_TEST_BREAK_ADAPTER_SYNC", "1")
+    run = setup / "broken"
+    assert train_main(_argv(setup, run)) == 1
+    ev = _events(run)
+    assert ev[-1]["status"] == "failed" and "engine serves adapter version 0, expected 1" in ev[-1]["error"]
+    verdict = subprocess.run([sys.executable, "-m", "harness.cli", "check", str(run), "--tier", "smoke"],
+                             capture_output=True, text=True, timeout=120)
+    assert verdict.returncode != 0, verdict.stdout
+
+
+def test_prompt_order_is_a_pure_function_of_rollout_id():
+    full = [prompts_for_rollout(10, r, 4, seed=3, shuffle=True) for r in range(6)]
+    assert full[4] == prompts_for_rollout(10, 4, 4, seed=3, shuffle=True)
+    flat = [i for r in full for i in r]
+    assert sorted(flat[:10]) == list(range(10)) and sorted(flat[10:20]) == list(range(10))  # epochs
+    assert prompts_for_rollout(10, 1, 4, seed=3, shuffle=False) == [4, 5, 6, 7]
