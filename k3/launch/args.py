@@ -205,6 +205,10 @@ class TrainArgs:
                                                 "4layer 2GiB)", group="sync")
     check_weight_update_equal: bool = opt(False, "check the engine's weights equal the trainer's after the "
                                           "first sync", group="sync")
+    ipc_unlink_shim: bool | None = opt(None, "LD_PRELOAD the shm_unlink shim in every worker, so an already "
+                                       "removed /torch_* CUDA-IPC file does not abort a weight sync (default: on "
+                                       "with GPUs, off on CPU; needs a C compiler, skipped with a note "
+                                       "without one)", group="sync", ours=True)
     # --- logging
     enable_wandb: bool = opt(False, "log metrics to Weights & Biases (project miles-run_kimi_k3_lora)",
                              group="logging")
@@ -484,6 +488,18 @@ def resolve(args: TrainArgs) -> ResolvedConfig:
     # The resolved flags show what the engines run with (the 4layer and tiny engines ignore the full-only flags).
     a.rollout_tp_size, a.rollout_ep_size = layout.rollout_tp_size, layout.rollout_ep_size
 
+    env = _worker_env(a)
+    if a.ipc_unlink_shim is None:
+        a.ipc_unlink_shim = bool(a.num_gpus_per_node)  # the race is CUDA IPC's; CPU sharing has no ref files
+    if a.ipc_unlink_shim:
+        from k3.transport.shim import ShimBuildError, shim_env
+
+        try:
+            env["LD_PRELOAD"] = shim_env({"LD_PRELOAD": env.get("LD_PRELOAD", os.environ.get("LD_PRELOAD", ""))})[
+                "LD_PRELOAD"]
+        except ShimBuildError as e:  # optional: report it and run without
+            a.ipc_unlink_shim = False
+            notes.append(f"--ipc-unlink-shim is off: {e}")
     return ResolvedConfig(
         args=a,
         layout=layout,
@@ -509,7 +525,7 @@ def resolve(args: TrainArgs) -> ResolvedConfig:
             check_for_nan_in_loss_and_grad=a.model_variant != "4layer",
             save=str(Path(a.save_dir) / a.run_id),
         ),
-        env=_worker_env(a),
+        env=env,
         notes=tuple(notes),
     )
 

@@ -252,6 +252,44 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
+def load_checkpoint_state(checkpoint: str | Path) -> dict[str, Any]:
+    """Check that every file of an adapter checkpoint loads, and return its ``trainer_state.pt``.
+
+    Checked before anything is loaded into the trainer, so a damaged checkpoint fails ``--resume`` up front:
+    ``adapter_config.json`` must be JSON, ``adapter_model.safetensors`` must have a valid header whose tensors
+    fit in the file (a truncated write fails here), and ``trainer_state.pt`` must unpickle to a dict with
+    ``rollout_id``. Raises ``TrainingError`` naming the file.
+    """
+    from safetensors import safe_open
+
+    from k3.lora.export import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME
+
+    checkpoint = Path(checkpoint)
+    hint = "; resume from an earlier checkpoint by removing this one, or start a fresh --run-dir"
+    config, weights, state_path = (checkpoint / ADAPTER_CONFIG_NAME, checkpoint / ADAPTER_WEIGHTS_NAME,
+                                   checkpoint / STATE_NAME)
+    for path in (config, weights, state_path):
+        if not path.is_file():
+            raise TrainingError(f"checkpoint {checkpoint}: {path.name} is missing{hint}")
+    try:
+        json.loads(config.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise TrainingError(f"checkpoint file {config} is corrupted (not JSON: {e}){hint}") from e
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            if not list(f.keys()):
+                raise ValueError("it holds no tensors")
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for every kind of damage
+        raise TrainingError(f"checkpoint file {weights} is corrupted ({type(e).__name__}: {e}){hint}") from e
+    try:
+        state = torch.load(state_path, weights_only=False, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - torch.load fails with pickle, zip and runtime errors alike
+        raise TrainingError(f"checkpoint file {state_path} is corrupted ({type(e).__name__}: {e}){hint}") from e
+    if not isinstance(state, dict) or "rollout_id" not in state:
+        raise TrainingError(f"checkpoint file {state_path} is corrupted (no rollout_id in it){hint}")
+    return state
+
+
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     """The newest complete adapter checkpoint of a run (temp folders of an interrupted save are ignored)."""
     root = Path(run_dir) / "adapters"
@@ -338,7 +376,7 @@ def run(resolved: ResolvedConfig, *, in_process: bool | None = None, sabotage_sy
         start = 0
         ckpt = latest_checkpoint(resolved.run_dir) if a.resume else None
         if ckpt is not None:
-            state = torch.load(ckpt / STATE_NAME, weights_only=False)
+            state = load_checkpoint_state(ckpt)
             trainer.call("load_adapter", str(ckpt))
             trainer.call("load_optimizer_state", state)
             loop.version = 0
@@ -384,4 +422,4 @@ def summary(run_dir: str | Path) -> dict[str, Any]:
     return out
 
 
-__all__ = ["run", "Loop", "latest_checkpoint", "prompts_for_rollout", "summary", "TrainingError", "asdict"]
+__all__ = ["run", "Loop", "latest_checkpoint", "load_checkpoint_state", "prompts_for_rollout", "summary", "TrainingError", "asdict"]

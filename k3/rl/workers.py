@@ -181,7 +181,17 @@ class TrainerWorker:
                 n += 1
                 yield chunk
 
-        ack = self._producer.send_version(counted())
+        from k3.transport.handoff import HandoffError
+
+        try:
+            ack = self._producer.send_version(counted())
+        except HandoffError:
+            # The engine went away mid-version: free the buckets it can no longer release, then fail the run
+            # (--resume continues from the last adapter checkpoint).
+            if hasattr(self._producer, "discard_after_receiver_exit"):
+                self._producer.discard_after_receiver_exit()
+            self._producer = None
+            raise
         if not ack.ok:
             raise RuntimeError(f"the engine rejected adapter version {version}: {ack.error}")
         elapsed = time.perf_counter() - t0

@@ -24,9 +24,12 @@ process-wide; segments of a crashed process are reaped by torch's ``torch_shm_ma
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import math
+import os
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -262,12 +265,15 @@ class AdapterProducer:
         del tensors  # the chunk's own tensors can go as soon as the bucket holds them
         key = (header.version, index)
         self.unacked[key] = bucket
+        payload = (header, bucket)
+        del bucket  # only ``unacked`` may keep it: a traceback holding it would pin the segment
         try:
-            self.conn.send((header, bucket))
+            self.conn.send(payload)
         except (BrokenPipeError, EOFError, OSError) as e:
             raise HandoffError(f"receiver connection broke while sending chunk {index} of version "
                                f"{header.version}: {e}") from e
-        del bucket
+        finally:
+            del payload
         ack = self._wait_ack(key)
         if self.barrier is not None:
             self.barrier()
@@ -312,6 +318,47 @@ class AdapterProducer:
         except (EOFError, OSError):
             pass
         return len(self.unacked)
+
+    def discard_after_receiver_exit(self) -> list[str]:
+        """Free what a receiver that died mid-version left behind; returns the ``/dev/shm`` names it removed.
+
+        Call this only once the receiver process is known to be gone (joined, or reported dead by Ray). A
+        receiver killed while it mapped a CPU bucket never drops its reference, so torch's ref-counted segment
+        outlives every live holder and stays in ``/dev/shm`` until this process exits. Here every unacked
+        bucket and the transfer buffer are dropped; a segment that still exists although nothing in this
+        process holds its storage any more is held only by the dead receiver, and is unlinked. Its ref count
+        never drops to zero after that, so torch never unlinks it a second time. A segment still held here
+        (someone kept a reference to the bucket) is left alone. The producer is closed afterwards.
+        """
+        buckets = list(self.unacked.values())
+        if self.transfer_buffer is not None and self.transfer_buffer._buffer is not None:
+            buckets.append(self.transfer_buffer._buffer)
+        candidates: list[tuple[str, weakref.ref]] = []
+        for bucket in buckets:
+            if bucket.device.type == "cpu" and bucket.is_shared():
+                storage = bucket.untyped_storage()
+                name = storage._share_filename_cpu_()[1]
+                candidates.append((name.decode() if isinstance(name, bytes) else name, weakref.ref(storage)))
+                del storage
+            del bucket  # the loop variable would keep the last bucket's segment alive
+        del buckets
+        self.unacked.clear()
+        self._closed = True
+        if self.transfer_buffer is not None:
+            self.transfer_buffer.release()
+        gc.collect()
+        removed = []
+        for name, storage_ref in candidates:
+            if storage_ref() is not None:
+                continue
+            try:
+                os.unlink(os.path.join("/dev/shm", name.lstrip("/")))
+            except FileNotFoundError:
+                continue  # the receiver had not mapped it: torch unlinked it when the last reference went
+            removed.append(name)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.ipc_collect()
+        return removed
 
     # ------------------------------------------------------------------ one version
     def send_version(self, chunks: Iterable[ChunkLike]) -> Ack:
