@@ -25,8 +25,8 @@ from pathlib import Path
 TRAIN_FLAGS = [
     "--mode", "normal", "--model-variant", "tiny", "--task", "arith", "--reward-model", "deepscaler",
     "--num-rollout", "12", "--rollout-batch-size", "16", "--n-samples-per-prompt", "8",
-    "--global-batch-size", "128", "--rollout-max-response-len", "48", "--eval-interval", "12",
-    "--lora-rank", "16", "--lora-alpha", "32", "--lr", "2e-3", "--max-tokens-per-gpu", "4096",
+    "--global-batch-size", "64", "--rollout-max-response-len", "48", "--eval-interval", "12",
+    "--lora-rank", "16", "--lora-alpha", "32", "--lr", "4e-4", "--max-tokens-per-gpu", "4096",
     "--rollout-max-concurrency", "128", "--colocate-memory-peak-device", "gpu", "--seed", "0",
 ]
 WARMUP = {"steps": 300, "batch_size": 32, "lr": 3e-3, "examples": 4096, "seed": 0}

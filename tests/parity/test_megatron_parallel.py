@@ -208,7 +208,7 @@ def test_layout_lora_gradients_equal_tp1(results, layout):
     # float32 with a different reduction order: ~1e-5 relative at step 1; Adam's normalisation lets it grow
     # over the steps. A wrong reduction (a missing or doubled sum) is off by O(1).
     base, got = results["tp1"]["grads"], results[layout]["grads"]
-    for step, tol in zip(range(STEPS), (2e-4, 1e-3, 1e-2)):
+    for step, tol in zip(range(STEPS), (2e-4, 3e-3, 1e-2)):
         assert sorted(got[step]) == sorted(base[step])
         for name in base[step]:
             assert base[step][name].norm() > 0, name
