@@ -21,6 +21,7 @@ from typing import Any
 
 from k3.config import variant
 from k3.launch.layout import LayoutError, ParallelLayout, derive_layout
+from k3.lora.config import RECIPE_TARGETS
 
 __all__ = [
     "TrainArgs",
@@ -54,15 +55,7 @@ ENV_PREFIX = "K3_"
 
 # The recipe's LoRA target set (§4.1), Megatron module names under `decoder.layers.*.`. Exactly these are
 # required; only the routed-expert down-projection may be left out.
-TARGET_MODULES = (
-    "self_attention.o_proj",
-    "self_attention.q_a_proj",
-    "self_attention.kv_a_proj_with_mqa",
-    "mlp.linear_fc1",
-    "mlp.linear_fc2",
-    "mlp.experts.linear_fc1",
-    "mlp.experts.linear_fc2",
-)
+TARGET_MODULES = RECIPE_TARGETS
 OPTIONAL_TARGET_MODULES = ("mlp.experts.linear_fc2",)
 
 # Recipe paths for the 4layer default and what `full` switches them to when left at the default.
