@@ -29,7 +29,7 @@ TRAIN_FLAGS = [
     "--lora-rank", "16", "--lora-alpha", "32", "--lr", "4e-4", "--max-tokens-per-gpu", "4096",
     "--rollout-max-concurrency", "128", "--colocate-memory-peak-device", "gpu", "--seed", "0",
 ]
-WARMUP = {"steps": 300, "batch_size": 32, "lr": 3e-3, "examples": 4096, "seed": 0}
+WARMUP = {"steps": 300, "batch_size": 32, "lr": 3e-3, "examples": 4096, "seed": 0, "boxed_share": 0.5}
 
 
 def _bin(name: str) -> str:
@@ -65,7 +65,11 @@ def warm_base(bf16_dir: Path, cache_root: Path) -> Path:
         print(f"\n== warm-up: cached at {out}", flush=True)
         return out
     print(f"\n== warm-up: supervised arithmetic on the tiny base ({WARMUP['steps']} steps)", flush=True)
-    corpus = warmup_corpus(WARMUP["examples"], seed=WARMUP["seed"])
+    from k3.rl.arith import ArithConfig
+
+    # Half the warm-up answers are bare (ungraded): the base partly follows the graded \boxed{} format and
+    # GRPO has to learn it from the reward alone — a signal that reaches the held-out eval.
+    corpus = warmup_corpus(WARMUP["examples"], seed=WARMUP["seed"], config=ArithConfig(boxed_share=WARMUP["boxed_share"]))
     stats = supervised_warmup(bf16_dir, out, [(ex.prompt, ex.completion) for ex in corpus],
                               steps=WARMUP["steps"], batch_size=WARMUP["batch_size"], lr=WARMUP["lr"],
                               seed=WARMUP["seed"])

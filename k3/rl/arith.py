@@ -35,10 +35,16 @@ class ArithConfig:
     """
 
     digits: tuple[int, ...] = (1, 2)
-    ops: tuple[str, ...] = ("+",)  # addition alone: a tiny model learns it in a minute of warm-up
+    ops: tuple[str, ...] = ("+",)
     allow_negative: bool = False
-    eval_per_mille: int = 100
+    eval_per_mille: int = 200
     think: str = "equation"
+    # Second operand drawn from 0..b_max instead of by ``digits`` (None: by digits). A small addend makes
+    # held-out problems compositions of facts the model has seen (last-digit sum + carry), so they generalise.
+    b_max: int | None = 9
+    # Share of warm-up completions whose answer is \boxed{} (the graded form); the rest give it bare. Below 1
+    # the base only partly follows the answer format, and RL has to learn it from the reward alone.
+    boxed_share: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.digits or any(not 1 <= d <= 6 for d in self.digits):
@@ -47,6 +53,10 @@ class ArithConfig:
             raise ValueError(f"ops must be a non-empty subset of {OPS}, got {self.ops}")
         if not 0 < self.eval_per_mille < 1000:
             raise ValueError(f"eval_per_mille must be in 1..999, got {self.eval_per_mille}")
+        if self.b_max is not None and self.b_max < 0:
+            raise ValueError(f"b_max must be >= 0, got {self.b_max}")
+        if not 0 <= self.boxed_share <= 1:
+            raise ValueError(f"boxed_share must be in [0, 1], got {self.boxed_share}")
         if self.think not in ("equation", "none"):
             raise ValueError(f"think must be 'equation' or 'none', got {self.think!r}")
 
@@ -87,7 +97,7 @@ def _operand(rng: random.Random, digits: int) -> int:
 
 def _draw(rng: random.Random, config: ArithConfig) -> Problem:
     a = _operand(rng, rng.choice(config.digits))
-    b = _operand(rng, rng.choice(config.digits))
+    b = rng.randint(0, config.b_max) if config.b_max is not None else _operand(rng, rng.choice(config.digits))
     op = rng.choice(config.ops)
     if op == "-" and not config.allow_negative and a < b:
         a, b = b, a
@@ -151,14 +161,18 @@ class WarmupExample:
         return self.prompt + self.completion
 
 
-def warmup_example(p: Problem, config: ArithConfig = ArithConfig()) -> WarmupExample:
+def warmup_example(p: Problem, config: ArithConfig = ArithConfig(), boxed: bool = True) -> WarmupExample:
     think = f"{p.expression} = {p.answer}" if config.think == "equation" else ""
-    return WarmupExample(p, build_prompt(p.prompt), assistant_completion(think, f"\\boxed{{{p.answer}}}"))
+    answer = f"\\boxed{{{p.answer}}}" if boxed else str(p.answer)
+    return WarmupExample(p, build_prompt(p.prompt), assistant_completion(think, answer))
 
 
 def warmup_corpus(n: int, *, seed: int = 0, config: ArithConfig = ArithConfig()) -> list[WarmupExample]:
-    """``n`` warm-up conversations on train-split problems (never an eval problem)."""
-    return [warmup_example(p, config) for p in sample_problems("train", n, seed=seed + 1_000_003, config=config)]
+    """``n`` warm-up conversations on train-split problems (never an eval problem); each one's answer is boxed
+    with probability ``config.boxed_share`` (drawn per example, so a problem is seen in both forms)."""
+    rng = random.Random(f"k3-arith:boxed:{seed}")
+    return [warmup_example(p, config, boxed=rng.random() < config.boxed_share)
+            for p in sample_problems("train", n, seed=seed + 1_000_003, config=config)]
 
 
 def write_warmup_corpus(path: str | Path, n: int, *, seed: int = 0, config: ArithConfig = ArithConfig()) -> Path:

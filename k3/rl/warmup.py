@@ -39,10 +39,12 @@ def supervised_warmup(
     lr: float = 3e-3,
     seed: int = 0,
     time_budget_s: float | None = None,
+    label_smoothing: float = 0.0,
 ) -> dict[str, float]:
     """Train ``base_dir``'s model on ``(prompt, completion)`` texts and save it to ``out_dir`` (atomic).
 
-    Loss = mean NLL of the completion tokens. Stops after ``steps`` or ``time_budget_s`` seconds. Returns
+    Loss = mean NLL of the completion tokens, with ``label_smoothing`` ε mixing in the mean NLL over the
+    vocabulary (keeps the policy's entropy above zero, so RL still has samples to compare). Stops after ``steps`` or ``time_budget_s`` seconds. Returns
     ``{"steps", "loss_first", "loss_last", "seconds"}``.
     """
     from k3.model import KimiK3ForCausalLM
@@ -68,14 +70,20 @@ def supervised_warmup(
         for b, (p, c) in enumerate(batch):
             ids[b, : len(p) + len(c)] = torch.tensor(p + c)
             mask[b, len(p) - 1 : len(p) + len(c) - 1] = True
-        logp = token_log_probs(model(ids)[:, :-1], ids[:, 1:])
-        loss = -(logp * mask).sum() / mask.sum()
+        logits = model(ids)[:, :-1]
+        logp = token_log_probs(logits, ids[:, 1:])
+        nll = -(logp * mask).sum() / mask.sum()
+        if label_smoothing > 0:
+            uniform = -(torch.log_softmax(logits.float(), -1).mean(-1) * mask).sum() / mask.sum()
+            loss = (1 - label_smoothing) * nll + label_smoothing * uniform
+        else:
+            loss = nll
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        last = float(loss)
+        last = float(nll.detach())
         first = last if step == 0 else first
         done = step + 1
         if time_budget_s is not None and time.perf_counter() - t0 > time_budget_s:

@@ -36,7 +36,7 @@ def test_splits_are_disjoint_and_eval_is_distinct():
 
 
 def test_labels_and_operand_ranges():
-    probs = sample_problems("train", 2000, seed=0)
+    probs = sample_problems("train", 2000, seed=0, config=ArithConfig(b_max=None))
     for p in probs:
         assert p.answer == eval(p.expression)
         assert p.record() == {"prompt": f"What is {p.a} {p.op} {p.b}?", "label": str(p.answer)}
@@ -44,12 +44,23 @@ def test_labels_and_operand_ranges():
     one_digit = sum(p.a < 10 and p.b < 10 for p in probs)
     two_digit = sum(p.a >= 10 and p.b >= 10 for p in probs)
     assert 300 < one_digit < 700 and 300 < two_digit < 700  # digits (1, 2) drawn per operand: ~1/4 each
+    small = sample_problems("train", 500, seed=0)  # the default: a small addend, 0..b_max
+    assert all(0 <= p.b <= 9 for p in small) and any(p.a >= 10 for p in small)
+
+
+def test_boxed_share_mixes_answer_forms():
+    from k3.rl.arith import warmup_corpus
+
+    corpus = warmup_corpus(400, seed=0, config=ArithConfig(boxed_share=0.5))
+    boxed = sum("\\boxed{" in ex.completion for ex in corpus)
+    assert 150 < boxed < 250
+    assert all("\\boxed{" in ex.completion for ex in warmup_corpus(50, seed=0))
 
 
 def test_difficulty_is_tunable():
     easy = sample_problems("train", 300, config=ArithConfig(digits=(1,), ops=("+",)))
     assert all(p.a < 10 and p.b < 10 and p.op == "+" for p in easy)
-    hard = sample_problems("train", 300, config=ArithConfig(digits=(3,), ops=("-", "*"), allow_negative=True))
+    hard = sample_problems("train", 300, config=ArithConfig(digits=(3,), ops=("-", "*"), allow_negative=True, b_max=None))
     assert all(100 <= p.a <= 999 and 100 <= p.b <= 999 for p in hard)
     assert any(p.answer < 0 for p in hard) and any(p.op == "*" for p in hard)
 
