@@ -332,6 +332,16 @@ def worker_spec(r: ResolvedConfig) -> WorkerSpec:
                       dtype="bfloat16" if device == "cuda" else "float32", seed=a.seed)
 
 
+def _wandb_run(r: ResolvedConfig):
+    """The recipe's W&B settings (project miles-run_kimi_k3_lora, group = run id); WANDB_MODE=offline works."""
+    try:
+        import wandb
+    except ImportError:
+        raise TrainingError("--enable-wandb needs wandb: pip install 'k3-lora-rl[logging]'") from None
+    return wandb.init(project="miles-run_kimi_k3_lora", group=r.args.run_id, name=r.args.run_id,
+                      dir=str(r.run_dir), config=r.to_dict())
+
+
 def run(resolved: ResolvedConfig, *, in_process: bool | None = None, sabotage_sync: bool = False) -> int:
     """Run the loop; returns 0. ``in_process`` skips Ray (tests; default from ``K3_IN_PROCESS``)."""
     a = resolved.args
@@ -352,7 +362,7 @@ def run(resolved: ResolvedConfig, *, in_process: bool | None = None, sabotage_sy
     spec = worker_spec(resolved)
     grpo = _grpo_config(resolved)
     max_tokens = resolved.args.max_tokens_per_gpu or 8192
-    writer = MetricsWriter(resolved.run_dir)
+    writer = MetricsWriter(resolved.run_dir, wandb_run=_wandb_run(resolved) if a.enable_wandb else None)
     placement = None
     t_start = time.time()
     try:

@@ -43,6 +43,9 @@ class MetricsWriter:
     def close(self) -> None:
         if not self._f.closed:
             self._f.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
 
     def __enter__(self) -> "MetricsWriter":
         return self

@@ -91,3 +91,27 @@ def test_prompt_order_is_a_pure_function_of_rollout_id():
     flat = [i for r in full for i in r]
     assert sorted(flat[:10]) == list(range(10)) and sorted(flat[10:20]) == list(range(10))  # epochs
     assert prompts_for_rollout(10, 1, 4, seed=3, shuffle=False) == [4, 5, 6, 7]
+
+
+def test_metrics_writer_forwards_numbers_to_wandb_and_refuses_bad_events(tmp_path):
+    from k3.rl.metrics import MetricsWriter
+
+    class FakeRun:
+        def __init__(self):
+            self.logged, self.finished = [], False
+
+        def log(self, d):
+            self.logged.append(d)
+
+        def finish(self):
+            self.finished = True
+
+    run = FakeRun()
+    w = MetricsWriter(tmp_path, wandb_run=run)
+    w.write("rollout", 0, **{"rollout/raw_reward": 0.5, "perf/rollout_time": float("nan"), "phase": "x"})
+    with pytest.raises(ValueError, match="event 'bogus'"):
+        w.write("bogus", 0)
+    w.close()
+    line = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert line["rollout/raw_reward"] == 0.5 and line["perf/rollout_time"] is None  # NaN -> null
+    assert run.logged[0]["rollout/raw_reward"] == 0.5 and run.finished
