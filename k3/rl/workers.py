@@ -89,8 +89,7 @@ class EngineWorker:
         def activate(version: int, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
             if self._sabotage:
                 return
-            self.engine._loader.load_tensors(tensors)
-            self.engine._version = version
+            self.engine.activate(version, tensors)
 
         receiver = AdapterReceiver(expected=expected, on_activate=activate, device=self.spec.device, digest=False)
 

@@ -136,6 +136,13 @@ class EmbeddedEngine:
         self._loader.load(chunks, version, current=self._version)
         self._version = version
 
+    def activate(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Apply a version that arrived already assembled (the hand-off receiver checked its completeness)."""
+        if version <= self._version:
+            raise ValueError(f"adapter version {version} is not newer than the active version {self._version}")
+        self._loader.load_tensors(tensors)
+        self._version = version
+
     def adapter_version(self) -> int:
         return self._version
 
