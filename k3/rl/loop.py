@@ -13,7 +13,6 @@ import os
 import random
 import shutil
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -417,19 +416,4 @@ def run(resolved: ResolvedConfig, *, in_process: bool | None = None, sabotage_sy
             writer.close()
 
 
-def summary(run_dir: str | Path) -> dict[str, Any]:
-    """First/last reward and eval of a run, from its metrics.jsonl (for the smoke's printout)."""
-    rows = [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines() if line.strip()]
-    rollouts = [r for r in rows if r["event"] == "rollout"]
-    evals = [r for r in rows if r["event"] == "eval"]
-    out: dict[str, Any] = {"rollouts": len(rollouts)}
-    if rollouts:
-        out["reward_first"] = rollouts[0]["rollout/raw_reward"]
-        out["reward_last"] = rollouts[-1]["rollout/raw_reward"]
-    for k in (evals[0] if evals else {}):
-        if k.startswith("eval/") and k.count("/") == 1:
-            out["eval_first"], out["eval_last"] = evals[0][k], evals[-1][k]
-    return out
-
-
-__all__ = ["run", "Loop", "latest_checkpoint", "load_checkpoint_state", "prompts_for_rollout", "summary", "TrainingError", "asdict"]
+__all__ = ["run", "Loop", "latest_checkpoint", "load_checkpoint_state", "prompts_for_rollout", "TrainingError"]

@@ -27,21 +27,19 @@ class Trajectory:
     old_log_probs: list[float] | None = None
 
 
-def _pad_batch(trajs: Sequence[Trajectory], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(ids [B, S], attention_mask [B, S], response_mask [B, S-1])``; response_mask marks the target positions
+def _pad_batch(trajs: Sequence[Trajectory], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids [B, S], response_mask [B, S-1])``, right-padded; response_mask marks the target positions
     (shifted by one) that hold response tokens."""
     S = max(len(t.prompt_ids) + len(t.response_ids) for t in trajs)
     B = len(trajs)
     ids = torch.full((B, S), pad_id, dtype=torch.long)
-    attn = torch.zeros((B, S), dtype=torch.long)
     resp = torch.zeros((B, S - 1), dtype=torch.bool)
     for b, t in enumerate(trajs):
         seq = t.prompt_ids + t.response_ids
         ids[b, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-        attn[b, : len(seq)] = 1
         p = len(t.prompt_ids)
         resp[b, p - 1 : p - 1 + len(t.response_ids)] = True
-    return ids, attn, resp
+    return ids, resp
 
 
 def micro_batches(trajs: Sequence[Trajectory], max_tokens: int) -> list[list[Trajectory]]:
@@ -86,8 +84,8 @@ class PolicyTrainer:
         self.steps = 0
 
     def _logp(self, mb: Sequence[Trajectory], grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        ids, attn, resp = _pad_batch(mb, self.pad_id)
-        ids, attn, resp = ids.to(self.device), attn.to(self.device), resp.to(self.device)
+        ids, resp = _pad_batch(mb, self.pad_id)
+        ids, resp = ids.to(self.device), resp.to(self.device)
         with torch.set_grad_enabled(grad):
             # right padding needs no mask: a causal model never lets a later (pad) token reach an earlier one
             logits = self.model(ids)[:, :-1]

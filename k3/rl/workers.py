@@ -16,7 +16,6 @@ import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Listener
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -224,6 +223,3 @@ class TrainerWorker:
             self._producer.close()
             self._producer = None
 
-
-def checkpoint_path(run_dir: str | Path, rollout_id: int) -> Path:
-    return Path(run_dir) / "adapters" / f"rollout_{rollout_id:06d}"
