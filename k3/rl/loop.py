@@ -91,7 +91,14 @@ class Loop:
         began, for ``perf/cycle_time`` (generate + train + sync; evals are outside cycles)."""
         version = self.version + 1
         sync_index = version - 1
-        out = self.trainer.call("update_weights", version)
+        try:
+            out = self.trainer.call("update_weights", version)
+        except Exception as e:  # Ray wraps the trainer's HandoffError; its text carries the cause
+            raise TrainingError(
+                f"adapter sync of version {version} failed ({type(e).__name__}: {_last_line(e)}); the engine "
+                f"keeps serving version {self.version}. Restart with --resume to continue from the last adapter "
+                "checkpoint"
+            ) from e
         for rec in out["memory"]:
             keys = {k: v for k, v in rec.items() if k not in ("time", "event")}
             self.w.write("memory", rollout_id, sync=sync_index, **keys)
@@ -226,6 +233,7 @@ class Loop:
         root.mkdir(parents=True, exist_ok=True)
         final = root / f"rollout_{rollout_id:06d}"
         tmp = root / f".tmp-rollout_{rollout_id:06d}-{os.getpid()}"
+        remove_stale_temp_dirs(root)
         shutil.rmtree(tmp, ignore_errors=True)
         self.trainer.call("save_adapter", str(tmp))
         state = {"rollout_id": rollout_id, "version": self.version, **self.trainer.call("optimizer_state")}
@@ -237,6 +245,35 @@ class Loop:
         _fsync_dir(root)
         (root / "latest").write_text(final.name + "\n")
         return final
+
+
+def _last_line(e: BaseException) -> str:
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    return lines[-1].strip() if lines else ""
+
+
+def remove_stale_temp_dirs(adapters_dir: str | Path) -> list[Path]:
+    """Remove the ``.tmp-rollout_*-<pid>`` folders of saves whose process is gone (a killed ``k3 train``);
+    a folder of a live process is kept (it may be mid-save). Returns what was removed."""
+    removed = []
+    root = Path(adapters_dir)
+    for tmp in root.glob(".tmp-rollout_*-*") if root.is_dir() else []:
+        pid = tmp.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and _pid_alive(int(pid)):
+            continue
+        shutil.rmtree(tmp, ignore_errors=True)
+        removed.append(tmp)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
 
 
 def _fsync_dir(path: Path) -> None:
@@ -416,4 +453,5 @@ def run(resolved: ResolvedConfig, *, in_process: bool | None = None, sabotage_sy
             writer.close()
 
 
-__all__ = ["run", "Loop", "latest_checkpoint", "load_checkpoint_state", "prompts_for_rollout", "TrainingError"]
+__all__ = ["Loop", "TrainingError", "latest_checkpoint", "load_checkpoint_state", "prompts_for_rollout",
+           "remove_stale_temp_dirs", "run"]

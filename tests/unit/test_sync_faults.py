@@ -375,3 +375,122 @@ def test_resume_refuses_a_corrupted_checkpoint_end_to_end(tmp_path, monkeypatch)
     assert train_main([*argv, "--resume", "--num-rollout", "2"]) == 1
     last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["status"] == "failed" and f"checkpoint file {weights} is corrupted" in last["error"]
+
+
+# ---------------------------------------------------------------------- the engine actor killed by Ray mid-sync
+def _tiny_run_argv(root: Path, run: Path, num_rollout: int) -> list[str]:
+    return ["--mode", "normal", "--model-variant", "tiny", "--task", "arith", "--num-rollout", str(num_rollout),
+            "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4",
+            "--rollout-max-response-len", "4", "--lr", "1e-3", "--save-interval", "1", "--eval-interval", "100",
+            "--hf-checkpoint", str(root / "base"), "--data-dir", str(root / "data"), "--run-dir", str(run)]
+
+
+@pytest.mark.timeout(240)
+def test_engine_actor_killed_by_ray_during_sync_fails_clearly_and_resume_continues(tmp_path, monkeypatch):
+    """Real Ray actors: the engine stalls inside the activation of version 3 (so the sync is provably in flight),
+    the driver ``ray.kill``s it, the run fails with a TrainingError that says how to go on, nothing of the sync is
+    left in ``/dev/shm``, and ``--resume`` continues with the next rollout after the last adapter checkpoint."""
+    import json
+
+    ray = pytest.importorskip("ray")
+    from k3.config import variant
+    from k3.launch.placement import RayPlacement
+    from k3.launch.train import main as train_main
+    from k3.model import KimiK3ForCausalLM
+    from k3.rl import loop as loop_mod
+    from k3.rl.arith import write_arith_dataset
+    from k3.rl.workers import EngineWorker
+
+    kill_version = 3  # sync index 2: the sync after rollout 1 (rollout 0 is checkpointed by then)
+
+    class StallingEngine(EngineWorker):  # defined here: Ray ships it by value to the actor
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._stalled = threading.Event()
+            activate = self.engine.activate
+
+            def stall_then_activate(version, tensors):
+                if version == kill_version:
+                    self._stalled.set()
+                    threading.Event().wait()  # never returns: the ack of the last chunk never comes
+                activate(version, tensors)
+
+            self.engine.activate = stall_then_activate
+
+        def stalled(self) -> bool:
+            return self._stalled.is_set()
+
+    handles: dict[str, object] = {}
+    create = RayPlacement.create_actor
+
+    def recording_create(self, actor_cls, rank, role="trainer", *args, **kwargs):
+        handles[role] = create(self, actor_cls, rank, role, *args, **kwargs)
+        return handles[role]
+
+    real_call = loop_mod._Remote.call
+    killed = []
+
+    def call(self, method, *args):
+        if method == "update_weights" and args[0] == kill_version and not killed:
+            ref = self.actor.update_weights.remote(*args)
+            deadline = time.monotonic() + 60
+            while not ray.get(handles["engine"].stalled.remote()):
+                assert time.monotonic() < deadline, "the engine never reached the stalled activation"
+                time.sleep(0.05)
+            ray.kill(handles["engine"], no_restart=True)
+            killed.append(time.monotonic())
+            return ray.get(ref)
+        return real_call(self, method, *args)
+
+    torch.manual_seed(0)
+    KimiK3ForCausalLM(variant("tiny").replace(quantization_config=None)).save_pretrained(tmp_path / "base")
+    write_arith_dataset(tmp_path / "data" / "arith", n_train=16, n_eval=4, seed=0)
+    run = tmp_path / "run"
+    monkeypatch.delenv("K3_IN_PROCESS", raising=False)
+    monkeypatch.setattr(RayPlacement, "create_actor", recording_create)
+    monkeypatch.setattr(loop_mod, "EngineWorker", StallingEngine)
+    monkeypatch.setattr(loop_mod._Remote, "call", call)
+    shm_before = {n for n in os.listdir("/dev/shm") if n.startswith("torch_")}
+
+    t0 = time.monotonic()
+    assert train_main(_tiny_run_argv(tmp_path, run, num_rollout=3)) == 1
+    assert killed and time.monotonic() - killed[0] < 60, "the trainer hung on the dead engine"
+    events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    failed = events[-1]
+    assert failed["status"] == "failed"
+    assert "adapter sync of version 3 failed" in failed["error"] and "--resume" in failed["error"]
+    assert "keeps serving version 2" in failed["error"]
+    assert [e["adapter/version"] for e in events if e["event"] == "sync"] == [1, 2]  # version 3 never counted
+    assert latest_checkpoint(run).name == "rollout_000000"
+    deadline = time.monotonic() + 20  # the dead processes' segments are reaped by torch_shm_manager
+    while {n for n in os.listdir("/dev/shm") if n.startswith("torch_")} - shm_before:
+        assert time.monotonic() < deadline, "shared-memory segments of the failed sync were left behind"
+        time.sleep(0.2)
+
+    monkeypatch.setattr(loop_mod, "EngineWorker", EngineWorker)
+    assert train_main([*_tiny_run_argv(tmp_path, run, num_rollout=3), "--resume"]) == 0
+    events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    resumed = [e for e in events if e.get("status") == "resumed"]
+    assert len(resumed) == 1 and resumed[0]["next_rollout"] == 1
+    after = events[events.index(resumed[0]):]
+    assert [e["rollout_id"] for e in after if e["event"] == "rollout"] == [1, 2]
+    assert events[-1]["status"] == "finished" and latest_checkpoint(run).name == "rollout_000002"
+    assert time.monotonic() - t0 < 230
+
+
+def test_stale_temp_dirs_of_dead_saves_are_removed_and_live_ones_kept(tmp_path):
+    from k3.rl.loop import remove_stale_temp_dirs
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    adapters = tmp_path / "adapters"
+    gone = adapters / f".tmp-rollout_000003-{dead_pid}"
+    live = adapters / f".tmp-rollout_000004-{os.getppid()}"
+    mine = adapters / f".tmp-rollout_000005-{os.getpid()}"
+    done = adapters / "rollout_000002"
+    for d in (gone, live, mine, done):
+        d.mkdir(parents=True)
+        (d / "adapter_model.safetensors").write_bytes(b"x")
+    assert sorted(p.name for p in remove_stale_temp_dirs(adapters)) == sorted([gone.name, mine.name])
+    assert live.is_dir() and done.is_dir() and not gone.exists() and not mine.exists()
+    assert remove_stale_temp_dirs(tmp_path / "no-such-dir") == []
