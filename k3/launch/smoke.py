@@ -54,12 +54,13 @@ def _step(title: str, cmd: list[str], log: Path) -> None:
         raise SystemExit(f"make smoke: step '{title}' failed with exit code {rc} (log: {log})")
 
 
-def warm_base(bf16_dir: Path, cache_root: Path) -> Path:
-    """The warmed-up tiny base, from the cache when its key matches."""
+def warm_base(bf16_dir: Path, cache_root: Path, seed: int = WARMUP["seed"]) -> Path:
+    """The warmed-up tiny base (warm-up ``seed``), from the cache when its key matches."""
     from k3.rl.arith import warmup_corpus
     from k3.rl.warmup import supervised_warmup, warmup_key
 
-    key = warmup_key(bf16_dir, **WARMUP)
+    settings = {**WARMUP, "seed": seed}
+    key = warmup_key(bf16_dir, **settings)
     out = cache_root / f"warm-tiny-{key}"
     if (out / "config.json").exists() and (out / "warmup.json").exists():
         print(f"\n== warm-up: cached at {out}", flush=True)
@@ -69,10 +70,9 @@ def warm_base(bf16_dir: Path, cache_root: Path) -> Path:
 
     # Half the warm-up answers are bare (ungraded): the base partly follows the graded \boxed{} format and
     # GRPO has to learn it from the reward alone — a signal that reaches the held-out eval.
-    corpus = warmup_corpus(WARMUP["examples"], seed=WARMUP["seed"], config=ArithConfig(boxed_share=WARMUP["boxed_share"]))
+    corpus = warmup_corpus(settings["examples"], seed=seed, config=ArithConfig(boxed_share=settings["boxed_share"]))
     stats = supervised_warmup(bf16_dir, out, [(ex.prompt, ex.completion) for ex in corpus],
-                              steps=WARMUP["steps"], batch_size=WARMUP["batch_size"], lr=WARMUP["lr"],
-                              seed=WARMUP["seed"])
+                              steps=settings["steps"], batch_size=settings["batch_size"], lr=settings["lr"], seed=seed)
     print(f"   loss {stats['loss_first']:.3f} -> {stats['loss_last']:.3f} in {stats['seconds']:.0f} s", flush=True)
     return out
 
@@ -82,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run-dir", default="runs/smoke", help="replaced on every run (default runs/smoke)")
     p.add_argument("--cache-dir", default="runs/cache", help="warm-up cache (default runs/cache)")
+    p.add_argument("--warmup-seed", type=int, default=WARMUP["seed"],
+                   help="seed of the warm-up corpus and its training (default 0; each seed is cached apart)")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="extra `k3 train` flags (last wins)")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
@@ -97,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
           log)
     _step("convert MXFP4 -> BF16", [_bin("k3"), "convert", "mxfp4-to-bf16", "--model-dir", str(mx), "--save-dir",
                                     str(bf16), "--verify"], log)
-    base = warm_base(bf16, Path(args.cache_dir))
+    base = warm_base(bf16, Path(args.cache_dir), args.warmup_seed)
     _step("prepare data (generated arithmetic, dapo-math format)",
           [_bin("k3"), "prepare-data", "--task", "arith", "--data-dir", str(data)], log)
     _step("LoRA GRPO on the embedded engine",
