@@ -26,17 +26,36 @@ class K3TransformerConfig(TransformerConfig):
 
 @dataclass(frozen=True)
 class ParallelSizes:
-    """Model-parallel layout: tensor, expert and pipeline parallel sizes (data parallel is what remains)."""
+    """Model-parallel layout: tensor, expert, pipeline and context parallel sizes (data parallel is what
+    remains). ``first_stage_layers`` / ``last_stage_layers``: megatron's uneven pipeline split (None = even)."""
 
     tp: int = 1
     ep: int = 1
     pp: int = 1
+    cp: int = 1
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("tp", "ep", "pp"):
+        for name in ("tp", "ep", "pp", "cp"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"ParallelSizes.{name}={v!r}: expected an integer >= 1")
+        for name in ("first_stage_layers", "last_stage_layers"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1 or self.pp == 1):
+                raise ValueError(f"ParallelSizes.{name}={v!r}: expected None, or an integer >= 1 with pp > 1")
+
+    @classmethod
+    def from_layout(cls, layout) -> ParallelSizes:
+        """The sizes of a launcher layout (``k3.launch.layout.ParallelLayout``: TP, EP, PP, CP and the recipe's
+        uneven 93-layer split, ``--decoder-first/last-pipeline-num-layers``)."""
+        if layout.expert_tensor_parallel_size != 1:
+            raise ValueError(f"expert_tensor_parallel_size={layout.expert_tensor_parallel_size}: K3 needs ETP 1")
+        return cls(tp=layout.tensor_model_parallel_size, ep=layout.expert_model_parallel_size,
+                   pp=layout.pipeline_model_parallel_size, cp=layout.context_parallel_size,
+                   first_stage_layers=layout.decoder_first_pipeline_num_layers,
+                   last_stage_layers=layout.decoder_last_pipeline_num_layers)
 
 
 def k3_transformer_config(
@@ -50,7 +69,8 @@ def k3_transformer_config(
 ) -> K3TransformerConfig:
     """The megatron config of K3 under ``sizes``.
 
-    Sequence parallelism is on whenever TP > 1 (megatron's MoE requires it with TP). Routed experts are never
+    Sequence parallelism is on whenever TP > 1 (megatron's MoE requires it with TP). Under context parallelism
+    the tokens are in the load-balanced layout of ``k3.megatron.context_parallel``. Routed experts are never
     tensor-parallel (ETP = 1: the shared-outer expert adapters need it). ``dispatcher`` is megatron's token
     dispatcher, ``alltoall`` (the recipe's) or ``allgather``. ``overrides`` set any other TransformerConfig field.
     """
@@ -82,6 +102,9 @@ def k3_transformer_config(
         gradient_accumulation_fusion=False,
         tensor_model_parallel_size=sizes.tp,
         pipeline_model_parallel_size=sizes.pp,
+        context_parallel_size=sizes.cp,
+        num_layers_in_first_pipeline_stage=sizes.first_stage_layers,
+        num_layers_in_last_pipeline_stage=sizes.last_stage_layers,
         expert_model_parallel_size=sizes.ep,
         expert_tensor_parallel_size=1,
         sequence_parallel=sizes.tp > 1,

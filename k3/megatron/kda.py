@@ -4,6 +4,11 @@ Each TP rank owns ``heads / tp`` KDA heads: the q/k/v/g/f_b/b projections, short
 ``dt_bias`` are split by head; ``f_a`` and the per-head output norm ``o_norm`` are replicated; ``o_proj`` is
 row-parallel. The heads are independent, so the recurrence runs locally on the full sequence (gathered from
 the sequence-parallel shards when entering the TP region).
+
+Under context parallelism the rank holds two chunks of each sequence (the load-balanced layout of
+``k3.megatron.context_parallel``): the short convs take their ``kernel − 1`` halo inputs from the neighbour
+ranks and the core runs the whole sequence's recurrence (``cp_kda_core``: the state chain on the torch path,
+fla's CP kernels on CUDA). Every other step is per token.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from torch import nn
 
 from k3.kernels.kda import kda_core
 from k3.megatron.config import K3TransformerConfig
+from k3.megatron.context_parallel import cp_causal_conv, cp_kda_core
 from k3.megatron.linears import ColumnParallel, DuplicatedLinear, RowParallel, enter_tp_region, mark_grad_sum
 from k3.megatron.sharded_state import tp_sharded_state_dict
 from k3.model.kda import CausalConv1d, kda_gate, l2_normalize
@@ -44,6 +50,7 @@ class K3KDAttention(KeepsFloat32, MegatronModule):
         super().__init__(config=config)
         cfg, la = config.k3, config.k3.linear_attn_config
         self.tp_group = pg_collection.tp
+        self.cp_group = pg_collection.cp
         tp = self.tp_group.size()
         H, P, D = cfg.hidden_size, cfg.kda_proj_size, la.head_dim
         self.num_heads = la.num_heads // tp  # local heads
@@ -80,21 +87,26 @@ class K3KDAttention(KeepsFloat32, MegatronModule):
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden [s/tp, b, hidden]`` (normed) -> attention output, same layout."""
+        """``hidden [s/tp, b, hidden]`` (normed) -> attention output, same layout (``s``: this CP rank's tokens)."""
         x = enter_tp_region(hidden, self.config, self.tp_group).transpose(0, 1).contiguous()  # [b, s, hidden]
         b, s, _ = x.shape
         heads = (b, s, self.num_heads, self.head_dim)
-
-        def short_conv(proj: ColumnParallel, conv: CausalConv1d) -> torch.Tensor:
-            y, _ = conv(proj(x), None)
-            return F.silu(y).to(x.dtype).view(heads)
-
-        q = l2_normalize(short_conv(self.q_proj, self.q_conv1d))
-        k = l2_normalize(short_conv(self.k_proj, self.k_conv1d))
-        v = short_conv(self.v_proj, self.v_conv1d)
+        cp = self.cp_group is not None and self.cp_group.size() > 1
+        inputs = [self.q_proj(x), self.k_proj(x), self.v_proj(x)]
+        convs: list[CausalConv1d] = [self.q_conv1d, self.k_conv1d, self.v_conv1d]
+        if cp:
+            ys = cp_causal_conv(inputs, convs, self.cp_group)
+        else:
+            ys = [conv(u, None)[0] for u, conv in zip(inputs, convs)]
+        q, k, v = (F.silu(y).to(x.dtype).view(heads) for y in ys)
+        q, k = l2_normalize(q), l2_normalize(k)
         g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(heads), self.A_log, self.dt_bias, self.lower_bound)
         beta = torch.sigmoid(self.b_proj(x).float())
-        o, _ = kda_core(q, k, v, g, beta, scale=self.head_dim**-0.5)
+        scale = self.head_dim**-0.5
+        if cp:
+            o = cp_kda_core(q, k, v, g, beta, scale, self.cp_group)
+        else:
+            o, _ = kda_core(q, k, v, g, beta, scale=scale)
         o = self.o_norm(o, self.g_proj(x).view(heads), out_dtype=x.dtype)
         return self.o_proj(o.reshape(b, s, -1).transpose(0, 1).contiguous())
 

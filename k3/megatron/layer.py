@@ -10,6 +10,9 @@ Under pipeline parallelism only one tensor crosses a stage boundary: the last la
 ``[partial | bank rows]`` concatenated on the hidden dim and the first layer of the next stage splits it; the
 number of rows is fixed by the layer index (``ceil(first_layer / block_size)`` blocks were pushed before it), so
 a wrong width fails loudly instead of being reinterpreted.
+
+Under context parallelism nothing here changes: the mixes are per token (each bank row and the partial sum are
+``[s, b, hidden]`` over the same local tokens), so they run on the rank's load-balanced tokens as they are.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from k3.megatron.linears import mark_sequence_parallel
 from k3.model.attn_res import attn_res_mix
 from k3.model.norm import RMSNorm
 
-__all__ = ["K3RMSNorm", "K3LayerSubmodules", "K3TransformerLayer", "pushes_before"]
+__all__ = ["K3RMSNorm", "K3LayerSubmodules", "K3TransformerLayer", "pushes_before", "pack_stage_output",
+           "unpack_stage_input"]
 
 
 class K3RMSNorm(RMSNorm):
@@ -51,6 +55,23 @@ def _res_pair(config: K3TransformerConfig) -> tuple[K3RMSNorm, nn.Linear]:
 def pushes_before(layer: int, block_size: int) -> int:
     """How many bank rows exist when 0-based ``layer`` starts (blocks open at 0, B, 2B, …)."""
     return math.ceil(layer / block_size)
+
+
+def pack_stage_output(partial: torch.Tensor, bank: torch.Tensor | None) -> torch.Tensor:
+    """The one tensor a stage sends: ``[partial | bank row 0 | … ]`` on the hidden dim, ``[s, b, (1 + n)·H]``."""
+    return partial if bank is None else torch.cat([partial, *bank.unbind(0)], dim=-1)
+
+
+def unpack_stage_input(packed: torch.Tensor, hidden: int, rows: int,
+                       layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Inverse of :func:`pack_stage_output`: ``(partial [s, b, H], bank [rows, s, b, H] or None)``; a width
+    other than ``(1 + rows)·hidden`` raises (``layer`` names the receiving layer in the message)."""
+    if packed.shape[-1] != (1 + rows) * hidden:
+        where = "stage input" if layer is None else f"layer {layer}: stage input"
+        raise ValueError(f"{where} has width {packed.shape[-1]}, expected (1 + {rows} bank rows) x {hidden} = "
+                         f"{(1 + rows) * hidden}")
+    parts = packed.split(hidden, dim=-1)
+    return parts[0], (torch.stack(parts[1:]) if rows else None)
 
 
 @dataclass
@@ -116,14 +137,9 @@ class K3TransformerLayer(MegatronModule, BaseTransformerLayer):
         if self.is_last:
             return mix(partial, self.output_attn_res_norm, self.output_attn_res_proj), None
         if self.pack_output:
-            return torch.cat([partial, *bank.unbind(0)], dim=-1), None
+            return pack_stage_output(partial, bank), None
         return partial, bank
 
     def _unpack(self, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        H = self.config.hidden_size
         rows = pushes_before(self.layer_idx, self.block_size)
-        if packed.shape[-1] != (1 + rows) * H:
-            raise ValueError(f"layer {self.layer_idx}: stage input has width {packed.shape[-1]}, expected "
-                             f"(1 + {rows} bank rows) x {H} = {(1 + rows) * H}")
-        parts = packed.split(H, dim=-1)
-        return parts[0], (torch.stack(parts[1:]) if rows else None)
+        return unpack_stage_input(packed, self.config.hidden_size, rows, self.layer_idx)

@@ -4,6 +4,10 @@ megatron-core's MLA applies RoPE and its local-spec core attention cannot take M
 so K3 keeps its own: the latent projections ``q_a``/``kv_a`` are duplicated on every TP rank, ``q_b``/``kv_b``/
 ``g_proj`` are column-parallel by head, ``o_proj`` is row-parallel; the shared 64-wide key slice ``k_r`` is
 broadcast to the rank's heads. Attention is causal over the full sequence (right padding needs no mask).
+
+Under context parallelism the rank's queries are its two load-balanced chunks (``k3.megatron.context_parallel``)
+and attend over the K/V of the whole sequence, all-gathered over CP, with the causal mask of the tokens'
+global positions (``cp_causal_attention``); the projections and the output gate are per token.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
 from k3.megatron.config import K3TransformerConfig
+from k3.megatron.context_parallel import cp_causal_attention
 from k3.megatron.linears import ColumnParallel, DuplicatedLinear, RowParallel, enter_tp_region, mark_grad_sum
 from k3.megatron.sharded_state import tp_sharded_state_dict
 from k3.model.norm import RMSNorm
@@ -32,6 +37,7 @@ class K3MLAttention(MegatronModule):
         super().__init__(config=config)
         cfg = config.k3
         self.tp_group = pg_collection.tp
+        self.cp_group = pg_collection.cp
         tp = self.tp_group.size()
         H, nh = cfg.hidden_size, cfg.num_attention_heads
         self.num_heads = nh // tp  # local heads
@@ -52,7 +58,7 @@ class K3MLAttention(MegatronModule):
         mark_grad_sum(self.kv_a_layernorm.weight, "tp")
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden [s/tp, b, hidden]`` (normed) -> attention output, same layout."""
+        """``hidden [s/tp, b, hidden]`` (normed) -> attention output, same layout (``s``: this CP rank's tokens)."""
         x = enter_tp_region(hidden, self.config, self.tp_group).transpose(0, 1).contiguous()  # [b, s, hidden]
         b, s, _ = x.shape
         nh = self.num_heads
@@ -61,7 +67,11 @@ class K3MLAttention(MegatronModule):
         kv = self.kv_b_proj(self.kv_a_layernorm(c_kv)).view(b, s, nh, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_shared.unsqueeze(2).expand(b, s, nh, self.rope_dim)], dim=-1)
-        o = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.scale)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if self.cp_group is not None and self.cp_group.size() > 1:
+            o = cp_causal_attention(q, k, v, self.scale, self.cp_group)
+        else:
+            o = causal_attention(q, k, v, self.scale)
         o = o.transpose(1, 2).reshape(b, s, nh * self.v_dim) * torch.sigmoid(self.g_proj(x))
         return self.o_proj(o.transpose(0, 1).contiguous())
 

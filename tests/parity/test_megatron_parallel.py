@@ -60,7 +60,18 @@ def _all_stages(part: dict) -> dict:
     return {k: v for piece in pieces for k, v in piece.items()}
 
 
-def _run_layout(tp: int, ep: int, pp: int, cfg, ref, batches) -> dict:
+def _world_max(x: float) -> float:
+    """The largest ``x`` over every rank (each CP rank checks its own tokens; rank 0 keeps the results)."""
+    import torch.distributed as dist
+
+    t = torch.tensor(x, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _run_layout(tp: int, ep: int, pp: int, cfg, ref, batches, cp: int = 1) -> dict:
+    """One layout's results: logits errors (a whole model only), the adapters before / after, and per step
+    the loss and every adapter gradient (merged over stages). Under CP the logits are this rank's tokens."""
     from megatron.core import parallel_state, tensor_parallel
 
     from k3.checkpoint.names import megatron_lora_to_hf
@@ -68,26 +79,28 @@ def _run_layout(tp: int, ep: int, pp: int, cfg, ref, batches) -> dict:
     from k3.lora.export import load_adapter_tensors
     from k3.megatron.checkpoint import load_hf_state_dict
     from k3.megatron.config import ParallelSizes, k3_transformer_config
+    from k3.megatron.context_parallel import cp_local_tokens
     from k3.megatron.lora import apply_megatron_lora, gather_lora, load_lora
     from k3.megatron.parallel import init_parallel
     from k3.megatron.training import MicroBatch, build_lora_trainer
 
-    sizes = ParallelSizes(tp=tp, ep=ep, pp=pp)
+    # 9 layers over 2 stages: 4 + 5, so the stage boundary falls inside an AttnRes block (bank of 2 rows)
+    sizes = ParallelSizes(tp=tp, ep=ep, pp=pp, cp=cp, first_stage_layers=4 if pp > 1 else None)
     init_parallel(sizes)
     out: dict = {}
-    # 9 layers over 2 stages: 4 + 5, so the stage boundary falls inside an AttnRes block (bank of 2 rows)
-    uneven = {"num_layers_in_first_pipeline_stage": 4} if pp > 1 else {}
-    config = k3_transformer_config(cfg, sizes, perform_initialization=False, **uneven)
+    config = k3_transformer_config(cfg, sizes, perform_initialization=False)
     base = {k: v.clone() for k, v in ref.state_dict().items()}
     lora = LoRAConfig(rank=RANK, alpha=ALPHA)
     trainer = build_lora_trainer(config, lora, lambda m: load_hf_state_dict(m, base, cfg), lr=2e-4, clip_grad=0.0)
     model = trainer.model[0].module
     ids = batches[0][0]
+    cp_group = parallel_state.get_context_parallel_group()
+    local_ids = cp_local_tokens(ids, cp_group)  # this CP rank's tokens (all of them at CP 1)
     whole = pp == 1  # a pipeline stage alone has no logits; PP is checked through the training steps
     if whole:
         with torch.no_grad():
-            logits = tensor_parallel.gather_from_tensor_model_parallel_region(trainer.model[0](ids, None, None))
-            out["base_logits_err"] = (logits - ref(ids)).abs().max().item()
+            logits = tensor_parallel.gather_from_tensor_model_parallel_region(trainer.model[0](local_ids, None, None))
+            out["base_logits_err"] = _world_max((logits - cp_local_tokens(ref(ids), cp_group)).abs().max().item())
     out["initial"] = _all_stages(gather_lora(model))
     try:
         apply_megatron_lora(model, lora)
@@ -99,10 +112,12 @@ def _run_layout(tp: int, ep: int, pp: int, cfg, ref, batches) -> dict:
         ref_lora = apply_lora(copy.deepcopy(ref), lora)
         load_adapter_tensors(ref_lora, megatron_lora_to_hf(state, cfg).items(), strict=True)
         with torch.no_grad():
-            logits = tensor_parallel.gather_from_tensor_model_parallel_region(trainer.model[0](ids, None, None))
-            want = ref_lora(ids)
-            out["lora_logits_err"] = (logits - want).abs().max().item()
-            out["lora_logits_effect"] = (want - ref(ids)).abs().max().item()
+            logits = tensor_parallel.gather_from_tensor_model_parallel_region(trainer.model[0](local_ids, None, None))
+            want = cp_local_tokens(ref_lora(ids), cp_group)
+            out["lora_logits_err"] = _world_max((logits - want).abs().max().item())
+            out["lora_logits_effect"] = _world_max((want - cp_local_tokens(ref(ids), cp_group)).abs().max().item())
+    # forward-only per-token log-probs of every micro-batch (whole sequences on every stage and CP rank)
+    out["log_probs"] = [o.log_probs for o in trainer.forward([MicroBatch(*b) for b in batches])]
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     mine = [MicroBatch(*b) for b in batches][dp_rank::dp]
     out["loss"], out["grads"] = [], []
@@ -192,6 +207,13 @@ def test_layout_initial_adapters_equal_tp1(results, layout):
     assert sorted(got) == sorted(base)
     for name in base:
         assert torch.equal(got[name], base[name]), name
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layout_forward_log_probs_equal_tp1(results, layout):
+    for a, b in zip(results[layout]["log_probs"], results["tp1"]["log_probs"], strict=True):
+        assert a.shape == b.shape == (2, 16)
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-5)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
