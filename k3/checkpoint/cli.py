@@ -29,6 +29,11 @@ class Format(str, Enum):
     bf16 = "bf16"
 
 
+class Device(str, Enum):
+    cpu = "cpu"
+    cuda = "cuda"
+
+
 def synthetic_config(name: str, num_experts: int | None = None, num_layers: int | None = None) -> K3Config:
     """The config of ``variant(name)`` with the expert count and/or depth changed (top-k capped at the experts)."""
     cfg = variant(name)
@@ -100,6 +105,9 @@ def mxfp4_to_bf16(
                                          "before it is moved into place.")] = False,
     overwrite: Annotated[bool, typer.Option(help="Replace --save-dir if it exists and is not empty.")] = False,
     progress: Annotated[bool, typer.Option(help="Show a progress bar over bytes.")] = True,
+    device: Annotated[Device, typer.Option("--device", help="Where packed weights are decoded: cpu, or cuda "
+                                           "(Triton; the same output bytes). cuda without a GPU is an error.")]
+    = Device.cpu,
 ) -> None:
     """Convert the native MXFP4 checkpoint to BF16: packed routed experts are decoded exactly, every other \
 tensor is copied bit for bit, quantization_config is dropped, tokenizer and other files are copied.
@@ -110,7 +118,7 @@ the same command after an interruption resumes from the finished shards."""
 
     try:
         r = convert_mxfp4_to_bf16(model_dir, save_dir, workers=workers, verify=verify, overwrite=overwrite,
-                                  progress=progress)
+                                  progress=progress, device=device.value)
     except CheckpointError as e:
         _fail(e)
     resumed = f", {r.shards_reused} reused from an interrupted run" if r.shards_reused else ""

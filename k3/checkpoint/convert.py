@@ -17,6 +17,9 @@ Safety:
   the released BF16 layout of the config (``k3.checkpoint.layout``).
 - ``--workers N`` converts N shards at once in spawned processes (each dies with the parent). Memory per worker:
   one decoded chunk (``DECODE_CHUNK_BYTES``) plus copy buffers; shards are read piecewise, never loaded whole.
+- ``--device cuda`` decodes on the GPU (``k3.kernels.mxfp4_triton``: Triton, or its torch fallback) in chunks of
+  ``CUDA_DECODE_CHUNK_BYTES``; the bytes written are identical to ``--device cpu`` (same plan, same manifest, so
+  a conversion may resume on the other device), and ``--verify`` still decodes on the CPU, an independent check.
 """
 
 from __future__ import annotations
@@ -70,6 +73,8 @@ MANIFEST_VERSION = 1
 SLOW_SHARD_ENV = "K3_CONVERT_TEST_SLOW_SHARD_S"  # test hook: seconds each shard waits before it is finished
 COPY_CHUNK_BYTES = 4 << 20  # small enough that checksumming and writing find the chunk in cache
 DECODE_CHUNK_BYTES = 1 << 20  # BF16 output bytes decoded at once (cache-sized: ~40% less CPU than 64 MiB)
+CUDA_DECODE_CHUNK_BYTES = 64 << 20  # on the GPU: large enough that the copies, not the launches, set the pace
+DEVICES = ("cpu", "cuda")
 PACKED_FORMAT = "mxfp4-pack-quantized"
 _UNSUPPORTED_SUFFIXES = (".weight_global_scale", ".weight_zero_point", ".input_global_scale")
 
@@ -254,11 +259,18 @@ class _Reader:
     Reads (not mmap): a mapped shard counts its touched pages in the worker's RSS, up to the whole shard.
     """
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, device: str = "cpu") -> None:
         self.root = root
         self._fds: dict[str, int] = {}
         self._bufs: dict[str, bytearray] = {}
-        self.decoder = PairDecoder()  # its buffers are reused across tensors too
+        if device == "cpu":
+            self.decoder = PairDecoder()  # its buffers are reused across tensors too
+            self.decode_chunk_bytes = DECODE_CHUNK_BYTES
+        else:  # torch only where asked for: CPU workers never load it
+            from k3.kernels.mxfp4_triton import TorchPairDecoder
+
+            self.decoder = TorchPairDecoder(device)
+            self.decode_chunk_bytes = CUDA_DECODE_CHUNK_BYTES
 
     def _fd(self, shard: str) -> int:
         if shard not in self._fds:
@@ -294,7 +306,7 @@ def _decoded_chunks(op: TensorOp, src: _Reader, shard: str, where: str):
     """Yield a packed weight's BF16 bytes in row chunks, as ``[rows, in/2]`` uint32 arrays (two BF16 each)."""
     out_features, n_bytes = op.src.shape
     n_scales = op.scale.shape[1]
-    rows = max(1, DECODE_CHUNK_BYTES // (4 * n_bytes))
+    rows = max(1, src.decode_chunk_bytes // (4 * n_bytes))
     for r in range(0, out_features, rows):
         k = min(rows, out_features - r)
         packed = np.frombuffer(src.read(shard, op.src.begin + r * n_bytes, k * n_bytes, "packed"), np.uint8)
@@ -316,9 +328,10 @@ def _same_bytes(a: memoryview, b: memoryview) -> bool:
     return np.array_equal(np.frombuffer(a[:n8], np.uint64), np.frombuffer(b[:n8], np.uint64)) and a[n8:] == b[n8:]
 
 
-def _convert_shard(root: Path, plan: ShardPlan, partial: Path, report: Callable[[int], None]) -> tuple[int, str]:
+def _convert_shard(root: Path, plan: ShardPlan, partial: Path, report: Callable[[int], None],
+                   device: str = "cpu") -> tuple[int, str]:
     """Write one output shard to ``partial``; returns (bytes, crc32). ``report(n)`` after each n data bytes."""
-    src = _Reader(root)
+    src = _Reader(root, device)
     try:
         with SafetensorsStreamWriter(partial, [(op.name, op.dtype, op.shape) for op in plan.ops], plan.metadata) as w:
             for op in plan.ops:
@@ -397,8 +410,8 @@ def _worker_init(queue) -> None:
     _die_with_parent()
 
 
-def _convert_job(root: str, plan: ShardPlan, partial: str) -> tuple[str, int, str]:
-    size, digest = _convert_shard(Path(root), plan, Path(partial), _report)
+def _convert_job(root: str, plan: ShardPlan, partial: str, device: str = "cpu") -> tuple[str, int, str]:
+    size, digest = _convert_shard(Path(root), plan, Path(partial), _report, device)
     return plan.name, size, digest
 
 
@@ -511,16 +524,19 @@ def convert_mxfp4_to_bf16(
     verify: bool = False,
     overwrite: bool = False,
     progress: bool = True,
+    device: str = "cpu",
 ) -> ConvertResult:
     """Convert the MXFP4 checkpoint in ``model_dir`` to BF16 in ``save_dir`` (see the module docstring).
 
-    Resumes an interrupted conversion into the same ``save_dir``. Raises CheckpointError (naming the file and
-    tensor) on bad input, leaving ``save_dir`` untouched.
+    ``device``: where packed weights are decoded, ``cpu`` or ``cuda`` (same output bytes). Resumes an interrupted
+    conversion into the same ``save_dir``. Raises CheckpointError (naming the file and tensor) on bad input, or
+    for ``cuda`` without a CUDA device, leaving ``save_dir`` untouched.
     """
     t0 = time.perf_counter()
     src, out = Path(model_dir), Path(save_dir)
     if workers < 1:
         raise CheckpointError(f"--workers {workers}: expected at least 1")
+    _check_device(device)
     if not src.is_dir():
         raise CheckpointError(f"{src}: not a directory")
     _check_dirs(src, out)
@@ -530,9 +546,20 @@ def convert_mxfp4_to_bf16(
     staging.mkdir(parents=True, exist_ok=True)
     lock = _lock(staging, out)
     try:
-        return _convert_locked(plan, src, out, staging, workers, verify, overwrite, progress, t0)
+        return _convert_locked(plan, src, out, staging, workers, verify, overwrite, progress, t0, device)
     finally:
         os.close(lock)
+
+
+def _check_device(device: str) -> None:
+    if device not in DEVICES:
+        raise CheckpointError(f"--device {device!r}: expected one of {', '.join(DEVICES)}")
+    if device == "cuda":
+        import torch  # only here: a CPU conversion never loads torch
+
+        if not torch.cuda.is_available():
+            raise CheckpointError("--device cuda: no CUDA device is available (torch.cuda.is_available() is "
+                                  "False); use --device cpu")
 
 
 def _lock(staging: Path, out: Path) -> int:
@@ -547,7 +574,7 @@ def _lock(staging: Path, out: Path) -> int:
 
 
 def _convert_locked(plan: ConversionPlan, src: Path, out: Path, staging: Path, workers: int, verify: bool,
-                    overwrite: bool, progress: bool, t0: float) -> ConvertResult:
+                    overwrite: bool, progress: bool, t0: float, device: str = "cpu") -> ConvertResult:
     manifest_path = staging / MANIFEST_NAME
     manifest = None
     if manifest_path.exists():
@@ -595,7 +622,7 @@ def _convert_locked(plan: ConversionPlan, src: Path, out: Path, staging: Path, w
             _write_json_atomic(manifest_path, manifest)
             bar.update(s.out_size - sum(_data_bytes(op) for op in s.ops))  # the header; data was reported
 
-        jobs = [(str(src), s, str(staging / (s.name + ".partial"))) for s in todo]
+        jobs = [(str(src), s, str(staging / (s.name + ".partial")), device) for s in todo]
         try:
             pool.run(_convert_job, jobs, bar, finished)
         except CheckpointError as e:

@@ -19,10 +19,14 @@ __all__ = ["grouped_mm", "grouped_mm_reference", "native_grouped_mm_supported"]
 
 Impl = Literal["auto", "native", "padded"]
 
+# torch 2.13 has the public ``F.grouped_mm``; older builds (the device's torch 2.11) have only the private
+# ``torch._grouped_mm`` with the same (mat_a, mat_b, offs) contract.
+_NATIVE = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
 
 def native_grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether ``F.grouped_mm`` takes these operands (dtype, device and the 16-byte stride rule)."""
-    if not hasattr(F, "grouped_mm") or x.dtype != w.dtype or x.device != w.device:
+    if _NATIVE is None or x.dtype != w.dtype or x.device != w.device:
         return False
     if x.device.type == "cpu":
         ok_dtype = x.dtype in (torch.float32, torch.bfloat16)
@@ -69,7 +73,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, impl: Imp
         impl = "native" if native_grouped_mm_supported(x, w) else "padded"
     if impl == "native":
         offs = counts.cumsum(0).to(torch.int32)
-        out = F.grouped_mm(x.contiguous(), w.transpose(-2, -1), offs=offs)
+        out = _NATIVE(x.contiguous(), w.transpose(-2, -1), offs=offs)
         if out.requires_grad:
             # Its backward rejects a stride-0 gradient (what ``out.sum().backward()`` sends), so densify it.
             out.register_hook(lambda grad: grad.contiguous())

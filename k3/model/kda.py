@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3.config import K3Config
-from k3.kernels.kda import kda_core
+from k3.kernels.kda import kda_core, kda_gate
 from k3.model.cache import KDALayerState
 from k3.model.norm import GatedRMSNorm
 from k3.model.precision import KeepsFloat32
@@ -25,26 +25,6 @@ from k3.model.precision import KeepsFloat32
 __all__ = ["KDAttention", "CausalConv1d", "kda_gate", "l2_normalize"]
 
 L2_NORM_EPS = 1e-6
-
-
-def kda_gate(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
-             lower_bound: float | None) -> torch.Tensor:
-    """Log-space decay from the raw gate logit.
-
-    Args:
-        z: ``[..., heads, K]`` raw logit ``f_b(f_a x)``.
-        A_log: ``[heads]``. dt_bias: ``[heads * K]``.
-        lower_bound: K3's ``gate_lower_bound`` (negative) or None for the softplus form.
-
-    Returns:
-        ``[..., heads, K]`` float32, in ``(lower_bound, 0)`` with a bound, ``(−∞, 0]`` without.
-    """
-    heads, K = z.shape[-2:]
-    z = z.float() + dt_bias.float().view(heads, K)
-    rate = A_log.float().exp().view(heads, 1)
-    if lower_bound is None:
-        return -rate * F.softplus(z)
-    return lower_bound * torch.sigmoid(rate * z)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = L2_NORM_EPS) -> torch.Tensor:

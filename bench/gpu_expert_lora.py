@@ -1,0 +1,263 @@
+"""Routed experts with shared-outer LoRA vs the frozen base experts alone, forward and forward+backward.
+
+    python bench/gpu_expert_lora.py --out $OUT/gpu_expert_lora.json     # 112 experts (896 / EP8), K3 widths, r 32
+
+The base is ``k3.model.moe.LatentExperts`` (w1/w3 ``[E, F, Lt]``, w2 ``[E, Lt, F]``, frozen); the adapted module
+is ``k3.lora.experts.LoRALatentExperts`` built on the same weights. Rows are ``tokens_per_expert`` on average per
+expert (a seeded multinomial, so the counts are uneven as a router's are), sorted by expert. Forward+backward is
+``autograd.grad`` of the output against a fixed upstream gradient, w.r.t. the input rows (as in training, where
+earlier layers have adapters too) and, with LoRA, the six adapter factors. Both modules run side by side in one
+process, alternating which goes first; the overhead is ``LoRA / base - 1`` (goal <= 10% forward+backward).
+
+Each grouped GEMM implementation is measured: ``native`` (``F.grouped_mm`` / ``torch._grouped_mm``) and
+``padded`` (a batched matmul over experts padded to the largest count). Where torch has only the private
+``torch._grouped_mm`` (no public ``F.grouped_mm``), ``k3.kernels.grouped_mm`` calls that, and the output says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import k3.lora.experts as lora_experts_mod
+import k3.model.moe as moe_mod
+from k3.kernels.grouped_mm import grouped_mm, native_grouped_mm_supported
+from k3.lora.experts import LoRALatentExperts
+from k3.model.mlp import situ
+from k3.model.moe import LatentExperts
+
+GOAL_OVERHEAD = 0.10
+SITU_BETA, SITU_LINEAR_BETA = 4.0, 25.0  # K3's activation_situ_beta / activation_situ_linear_beta
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def native_grouped_mm_shim() -> str:
+    """Which native grouped GEMM ``k3.kernels.grouped_mm`` calls (it falls back to ``torch._grouped_mm``)."""
+    if hasattr(F, "grouped_mm"):
+        return "F.grouped_mm"
+    return "torch._grouped_mm (no public F.grouped_mm in this torch)" if hasattr(torch, "_grouped_mm") else "none"
+
+
+@contextlib.contextmanager
+def forced_impl(impl: str) -> Iterator[None]:
+    """Run the base and LoRA experts with one grouped GEMM implementation (``auto``, ``native``, ``padded``)."""
+    forced = functools.partial(grouped_mm, impl=impl)
+    saved = moe_mod.grouped_mm, lora_experts_mod.grouped_mm
+    moe_mod.grouped_mm = lora_experts_mod.grouped_mm = forced
+    try:
+        yield
+    finally:
+        moe_mod.grouped_mm, lora_experts_mod.grouped_mm = saved
+
+
+def build(E: int, Lt: int, Fi: int, rank: int, alpha: float, dtype: torch.dtype, device: torch.device,
+          seed: int = 0) -> tuple[LatentExperts, LoRALatentExperts]:
+    """Base experts with random weights (std 0.02) and the LoRA module on the same tensors, B's nonzero."""
+    torch.manual_seed(seed)
+    with torch.device(device):  # allocated and filled on the device: 3.7e9 weights are slow to fill on a CPU
+        base = LatentExperts(E, Lt, Fi, SITU_BETA, SITU_LINEAR_BETA)
+    with torch.no_grad():
+        for p in (base.w1, base.w2, base.w3):
+            p.normal_(0, 0.02)
+    base = base.to(dtype=dtype)
+    lora = LoRALatentExperts(base, rank=rank, alpha=alpha)  # freezes w1/w2/w3 (shared with ``base``)
+    with torch.no_grad():
+        for name in ("w1_lora_B", "w3_lora_B", "w2_lora_B"):
+            getattr(lora, name).normal_(0, 0.01)
+    return base, lora
+
+
+def lean_lora_forward(m: LoRALatentExperts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``m(x, counts)`` with fewer passes over the activations, for comparison only: the LoRA scale folded into
+    the (tiny) shared A and the down adapter accumulated by ``addmm`` into the base output."""
+    r = m.rank
+    gate, up = LatentExperts.gate_up(m, x, counts)
+    xa = x @ (m.scale * torch.cat([m.w1_lora_A, m.w3_lora_A])).T  # [rows, 2r], already scaled
+    gate = gate + moe_mod.grouped_mm(xa[:, :r], m.w1_lora_B, counts)
+    up = up + moe_mod.grouped_mm(xa[:, r:], m.w3_lora_B, counts)
+    h = situ(gate, up, m.beta, m.linear_beta)
+    ha = moe_mod.grouped_mm(h, m.w2_lora_A, counts)  # [rows, r]
+    return torch.addmm(LatentExperts.down(m, h, counts), ha, (m.scale * m.w2_lora_B).T)
+
+
+def expert_counts(E: int, tokens_per_expert: int, seed: int = 0) -> torch.Tensor:
+    """``[E]`` int64 counts summing to ``E * tokens_per_expert``, each row's expert drawn uniformly."""
+    gen = torch.Generator().manual_seed(seed)
+    experts = torch.randint(0, E, (E * tokens_per_expert,), generator=gen)
+    return torch.bincount(experts, minlength=E)
+
+
+def elapsed_ms(fn: Callable[[], object], device: torch.device) -> float:
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def time_side_by_side(fns: dict[str, Callable], repeats: int, warmup: int, device: torch.device) -> dict[str, float]:
+    """Median ms of each function, interleaved; the order rotates every repeat."""
+    names = list(fns)
+    for _ in range(warmup):
+        for n in names:
+            fns[n]()
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for i in range(repeats):
+        for n in names[i % len(names):] + names[:i % len(names)]:
+            times[n].append(elapsed_ms(fns[n], device))
+    return {n: statistics.median(t) for n, t in times.items()}
+
+
+def run(args: argparse.Namespace) -> dict:
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    native = native_grouped_mm_shim()
+    E, Lt, Fi, r = args.experts, args.latent, args.width, args.rank
+    base, lora = build(E, Lt, Fi, r, args.alpha, dtype, device)
+    counts_cpu = expert_counts(E, args.tokens_per_expert)
+    counts = counts_cpu.to(device)
+    rows = int(counts_cpu.sum())
+    gen = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(rows, Lt, generator=gen, device=device).to(dtype).requires_grad_()
+    dy = torch.randn(rows, Lt, generator=gen, device=device).to(dtype)
+    adapters = [getattr(lora, n) for n in lora.factor_names()]
+
+    def lean(x, counts):
+        return lean_lora_forward(lora, x, counts)
+
+    def fwd(module):
+        def step():
+            with torch.no_grad():
+                return module(x, counts)
+        return step
+
+    def fwd_bwd(module, wrt):
+        def step():
+            torch.autograd.grad(module(x, counts), wrt, grad_outputs=dy)
+        return step
+
+    flops_fwd = 2 * rows * Lt * Fi * 3  # three GEMMs of the base
+    results = []
+    outputs = {}
+    for impl in args.impls:
+        if impl == "native" and not native_grouped_mm_supported(x.detach(), base.w1):
+            results.append({"impl": impl, "skipped": f"native grouped GEMM unsupported here ({native}, {dtype})"})
+            continue
+        try:
+            with forced_impl(impl):
+                t = time_side_by_side({
+                    "base_fwd": fwd(base), "lora_fwd": fwd(lora), "lean_fwd": fwd(lean),
+                    "base_fwd_bwd": fwd_bwd(base, [x]), "lora_fwd_bwd": fwd_bwd(lora, [x, *adapters]),
+                    "lean_fwd_bwd": fwd_bwd(lean, [x, *adapters]),
+                }, args.repeats, args.warmup, device)
+                with torch.no_grad():
+                    outputs[impl] = lora(x, counts).float()
+                    lean_out = lean(x, counts).float()
+        except Exception as e:  # noqa: BLE001 - one implementation failing must not lose the others' numbers
+            results.append({"impl": impl, "skipped": f"failed: {type(e).__name__}: {str(e)[:200]}"})
+            print(f"  {impl}: failed: {e!r}", file=sys.stderr, flush=True)
+            continue
+        over_fb = t["lora_fwd_bwd"] / t["base_fwd_bwd"] - 1
+        results.append({
+            "impl": impl, "base_fwd_ms": t["base_fwd"], "lora_fwd_ms": t["lora_fwd"],
+            "base_fwd_bwd_ms": t["base_fwd_bwd"], "lora_fwd_bwd_ms": t["lora_fwd_bwd"],
+            "overhead_fwd": t["lora_fwd"] / t["base_fwd"] - 1, "overhead_fwd_bwd": over_fb,
+            "lean_fwd_ms": t["lean_fwd"], "lean_fwd_bwd_ms": t["lean_fwd_bwd"],
+            "lean_overhead_fwd_bwd": t["lean_fwd_bwd"] / t["base_fwd_bwd"] - 1,
+            "lean_vs_module_rel": float((lean_out - outputs[impl]).norm() / outputs[impl].norm()),
+            "base_fwd_tflops": flops_fwd / (t["base_fwd"] * 1e-3) / 1e12,
+            "goal_overhead_fwd_bwd": GOAL_OVERHEAD, "meets_goal": over_fb <= GOAL_OVERHEAD,
+        })
+        print(f"  {impl}: {t}", file=sys.stderr, flush=True)
+    agreement = None
+    if len(outputs) >= 2:
+        (a_name, a), (b_name, b) = list(outputs.items())[:2]
+        agreement = {"pair": f"{a_name} vs {b_name}", "rel": float((a - b).norm() / b.norm()),
+                     "max_abs": float((a - b).abs().max())}
+    return {
+        "bench": "gpu_expert_lora",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__, "native_grouped_mm": native, "dtype": args.dtype,
+        "shape": {"experts": E, "latent": Lt, "width": Fi, "rank": r, "alpha": args.alpha, "rows": rows,
+                  "tokens_per_expert_mean": rows / E, "tokens_per_expert_max": int(counts_cpu.max()),
+                  "tokens_per_expert_min": int(counts_cpu.min())},
+        "repeats": args.repeats, "warmup": args.warmup, "results": results, "lora_output_agreement": agreement,
+        "command": "python bench/gpu_expert_lora.py " + " ".join(sys.argv[1:]),
+    }
+
+
+def markdown(result: dict) -> str:
+    s = result["shape"]
+    lines = [(f"# Routed experts + shared-outer LoRA r={s['rank']} vs base, {s['experts']} experts, latent "
+              f"{s['latent']}, width {s['width']}, {s['rows']} rows ({s['tokens_per_expert_min']}-"
+              f"{s['tokens_per_expert_max']} per expert), {result['dtype']} on {result['device']} (torch "
+              f"{result['torch']}; native grouped GEMM: {result['native_grouped_mm']})"), "",
+             ("| grouped GEMM | base fwd ms | LoRA fwd ms | fwd overhead | base fwd+bwd ms | LoRA fwd+bwd ms | "
+             "fwd+bwd overhead | goal <= 10% | base fwd TFLOP/s |"),
+             "|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+    for r in result["results"]:
+        if "skipped" in r:
+            lines.append(f"| {r['impl']} | {r['skipped']} | | | | | | | |")
+            continue
+        lines.append(f"| {r['impl']} | {r['base_fwd_ms']:.3f} | {r['lora_fwd_ms']:.3f} | {100 * r['overhead_fwd']:.1f}% "
+                     f"| {r['base_fwd_bwd_ms']:.3f} | {r['lora_fwd_bwd_ms']:.3f} | {100 * r['overhead_fwd_bwd']:.1f}% "
+                     f"| {'yes' if r['meets_goal'] else 'NO'} | {r['base_fwd_tflops']:.0f} |")
+    lines += ["", ("Same math with fewer activation passes (bench-only ``lean_lora_forward``: scale folded into the "
+              "shared A, down adapter through addmm), for comparison:"), "",
+              "| grouped GEMM | lean fwd ms | lean fwd+bwd ms | fwd+bwd overhead | rel. diff vs the module |",
+              "|---|---:|---:|---:|---:|"]
+    for r in result["results"]:
+        if "skipped" not in r:
+            lines.append(f"| {r['impl']} | {r['lean_fwd_ms']:.3f} | {r['lean_fwd_bwd_ms']:.3f} | "
+                         f"{100 * r['lean_overhead_fwd_bwd']:.1f}% | {r['lean_vs_module_rel']:.1e} |")
+    a = result["lora_output_agreement"]
+    if a:
+        lines += ["", f"LoRA output {a['pair']}: relative {a['rel']:.2e}, max abs {a['max_abs']:.2e}"]
+    return "\n".join(lines)
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--experts", type=int, default=112)
+    ap.add_argument("--latent", type=int, default=3584)
+    ap.add_argument("--width", type=int, default=3072)
+    ap.add_argument("--tokens-per-expert", type=int, default=146)
+    ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--alpha", type=float, default=64.0)
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    ap.add_argument("--impls", type=lambda s: s.split(","), default=["native", "padded"],
+                    help="comma-separated grouped GEMM implementations: native, padded, auto")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parser().parse_args(argv)
+    result = run(args)
+    print(markdown(result))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

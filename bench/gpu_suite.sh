@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Issue #7 on one H200 in one command: the GPU tests (pytest -m gpu) and the four GPU benchmarks.
+#
+#   OUT=/some/dir bash bench/gpu_suite.sh        # on the device tool: carry .whl; $OUT is set there
+#
+# Writes into "$OUT" (7 files): gpu_tests.log, gpu_tests.xml (JUnit), gpu_benches.log (environment, every
+# bench's table and stderr) and gpu_kda.json, gpu_mxfp4.json, gpu_expert_lora.json, gpu_ipc.json.
+# Every step has its own time limit (`timeout`) and the script never stops at a failure (set +e), so one broken
+# step costs only its own results; the limits add up to under 6 minutes. Exit status: the number of failed steps.
+set +e
+set -o pipefail
+OUT="${OUT:?set OUT to the folder for logs and JSON}"
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.." || exit 1
+
+TESTS_LOG="$OUT/gpu_tests.log"
+BENCH_LOG="$OUT/gpu_benches.log"
+: >"$TESTS_LOG"
+: >"$BENCH_LOG"
+failed=0
+
+# fla-core / flash-linear-attention 0.6.0 (and megatron-core) from the carried wheels; nothing else is installed.
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    >>"$BENCH_LOG" 2>&1 || { echo "wheel install failed" >>"$BENCH_LOG"; failed=$((failed + 1)); }
+export PYTHONPATH="/tmp/site:$PWD"
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 TRITON_CACHE_DIR=/tmp/triton_cache
+
+step() {  # step NAME SECONDS LOG COMMAND...: run under a time limit, tee into LOG, count a failure
+    local name=$1 limit=$2 log=$3
+    shift 3
+    local t0=$SECONDS
+    echo "=== $name (limit ${limit}s): $*" | tee -a "$log"
+    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$log"
+    local rc=${PIPESTATUS[0]}
+    echo "=== $name: exit $rc after $((SECONDS - t0))s" | tee -a "$log"
+    [ "$rc" -eq 0 ] || failed=$((failed + 1))
+}
+
+{
+    echo "=== environment"
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+    python3 - <<'PY'
+import sys, torch, triton, torch.nn.functional as F
+import fla
+print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__,
+      torch.cuda.get_device_name(), "| fla", fla.__version__, fla.__file__,
+      "| F.grouped_mm", hasattr(F, "grouped_mm"), "torch._grouped_mm", hasattr(torch, "_grouped_mm"))
+PY
+} 2>&1 | tee -a "$BENCH_LOG"
+
+step "gpu tests" 190 "$TESTS_LOG" python3 -m pytest -m gpu -v -rA --durations=25 --timeout=170 \
+    --junitxml="$OUT/gpu_tests.xml" -p no:cacheprovider \
+    tests/unit/test_gpu_kda.py tests/unit/test_gpu_mxfp4.py tests/unit/test_gpu_expert_lora.py \
+    tests/unit/test_gpu_ipc.py tests/unit/test_kda.py
+
+step "bench kda" 45 "$BENCH_LOG" python3 bench/gpu_kda.py --out "$OUT/gpu_kda.json"
+step "bench mxfp4" 25 "$BENCH_LOG" python3 bench/gpu_mxfp4.py --out "$OUT/gpu_mxfp4.json"
+step "bench expert lora" 25 "$BENCH_LOG" python3 bench/gpu_expert_lora.py --out "$OUT/gpu_expert_lora.json"
+step "bench ipc" 50 "$BENCH_LOG" python3 bench/gpu_ipc.py --out "$OUT/gpu_ipc.json"
+
+echo "=== gpu_suite: $failed failed step(s) after ${SECONDS}s" | tee -a "$BENCH_LOG"
+exit "$failed"

@@ -1,0 +1,157 @@
+"""Routed experts with shared-outer LoRA on CUDA vs the CPU path (``gpu``), and the benchmark's own pieces on the
+CPU (the forced grouped-GEMM implementation, the lean comparison formulation, an end-to-end run at tiny shapes).
+
+Tolerances: float32 on CUDA vs float32 on the CPU differ only in summation order (TF32 is off for matmuls by
+default): 1e-5 relative. BF16 on CUDA vs the float32 CPU path on the same BF16-rounded weights: 2e-2 relative
+Frobenius error (BF16 activations between the GEMMs).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import k3.lora.experts as lora_experts_mod
+import k3.model.moe as moe_mod
+from k3.kernels.grouped_mm import grouped_mm
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "gpu_expert_lora.py"
+REL_FP32 = 1e-5
+REL_BF16 = 2e-2
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_gpu_expert_lora", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = load_bench()
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float().cpu(), b.float().cpu()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def small_problem(dtype=torch.float32, device="cpu", alpha=12.0):
+    base, lora = bench.build(E=5, Lt=64, Fi=48, rank=8, alpha=alpha, dtype=dtype, device=torch.device(device))
+    counts = bench.expert_counts(5, 7, seed=3)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(int(counts.sum()), 64, generator=gen)
+    dy = torch.randn(int(counts.sum()), 64, generator=gen)
+    return base, lora, counts, x, dy
+
+
+def forward_backward(module, x, counts, dy):
+    """Output and the gradients w.r.t. the input and every LoRA factor (None for the base)."""
+    x = x.detach().clone().requires_grad_()
+    out = module(x, counts)
+    names = list(module.factor_names()) if hasattr(module, "factor_names") else []
+    wrt = [x] + [getattr(module, n) for n in names]
+    grads = torch.autograd.grad(out, wrt, grad_outputs=dy.to(out.dtype))
+    return out.detach(), dict(zip(["x", *names], grads))
+
+
+# ------------------------------------------------------------------------------------------------ CPU
+def test_expert_counts_are_seeded_and_sum_to_the_rows():
+    c = bench.expert_counts(112, 146, seed=0)
+    assert c.shape == (112,) and int(c.sum()) == 112 * 146 and c.dtype == torch.int64
+    assert torch.equal(c, bench.expert_counts(112, 146, seed=0)) and int(c.max()) > int(c.min())
+
+
+def test_forced_impl_patches_both_modules_and_restores_them():
+    before = moe_mod.grouped_mm, lora_experts_mod.grouped_mm
+    with bench.forced_impl("padded"):
+        assert moe_mod.grouped_mm.keywords == {"impl": "padded"}
+        assert lora_experts_mod.grouped_mm is moe_mod.grouped_mm
+    assert (moe_mod.grouped_mm, lora_experts_mod.grouped_mm) == before
+    with pytest.raises(RuntimeError), bench.forced_impl("native"):
+        raise RuntimeError("boom")
+    assert (moe_mod.grouped_mm, lora_experts_mod.grouped_mm) == before
+
+
+@pytest.mark.parametrize("impl", ["native", "padded"])
+def test_native_and_padded_agree_on_the_cpu(impl):
+    _, lora, counts, x, dy = small_problem()
+    with bench.forced_impl(impl):
+        out, grads = forward_backward(lora, x, counts, dy)
+    with bench.forced_impl("padded"):
+        ref_out, ref_grads = forward_backward(lora, x, counts, dy)
+    # the base GEMM of expert 0 by hand
+    n0 = int(counts[0])
+    torch.testing.assert_close(grouped_mm(x, lora.w1, counts)[:n0], x[:n0] @ lora.w1[0].T, rtol=1e-5, atol=1e-5)
+    assert rel_err(out, ref_out) <= REL_FP32
+    assert all(rel_err(grads[n], ref_grads[n]) <= REL_FP32 for n in grads)
+
+
+def test_lean_formulation_is_the_modules_math():
+    _, lora, counts, x, dy = small_problem(alpha=12.0)  # scale 1.5: folding it into A is not bit-exact
+    out, grads = forward_backward(lora, x, counts, dy)
+
+    class Lean(torch.nn.Module):
+        def factor_names(self):
+            return lora.factor_names()
+
+        def __getattr__(self, name):
+            return getattr(lora, name) if name.endswith(("lora_A", "lora_B")) else super().__getattr__(name)
+
+        def forward(self, x, counts):
+            return bench.lean_lora_forward(lora, x, counts)
+
+    lean_out, lean_grads = forward_backward(Lean(), x, counts, dy)
+    assert rel_err(lean_out, out) <= REL_FP32
+    assert all(rel_err(lean_grads[n], grads[n]) <= REL_FP32 for n in grads)
+
+
+def test_bench_runs_end_to_end_on_the_cpu(tmp_path, capsys):
+    out = tmp_path / "lora.json"
+    result = bench.main(["--device", "cpu", "--dtype", "fp32", "--experts", "4", "--latent", "32", "--width", "48",
+                         "--tokens-per-expert", "5", "--rank", "4", "--repeats", "2", "--warmup", "1",
+                         "--impls", "native,padded", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert [r["impl"] for r in result["results"]] == ["native", "padded"]
+    for r in result["results"]:
+        assert r["base_fwd_bwd_ms"] > 0 and r["overhead_fwd_bwd"] == pytest.approx(
+            r["lora_fwd_bwd_ms"] / r["base_fwd_bwd_ms"] - 1)
+    assert result["shape"]["rows"] == 20 and result["lora_output_agreement"]["rel"] <= REL_FP32
+    assert "| native |" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------------------ CUDA
+@pytest.mark.gpu
+def test_cuda_float32_matches_the_cpu_path():
+    _, lora, counts, x, dy = small_problem()
+    out, grads = forward_backward(lora, x, counts, dy)
+    lora_cuda = copy.deepcopy(lora).cuda()
+    out_c, grads_c = forward_backward(lora_cuda, x.cuda(), counts.cuda(), dy.cuda())
+    assert out_c.is_cuda and rel_err(out_c, out) <= REL_FP32
+    for n in grads:
+        assert rel_err(grads_c[n], grads[n]) <= REL_FP32, n
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["native", "padded"])
+def test_cuda_bf16_matches_the_cpu_float32_path(impl):
+    bench.native_grouped_mm_shim()
+    _, lora, counts, x, dy = small_problem()
+    lora_bf16 = copy.deepcopy(lora).to(device="cuda", dtype=torch.bfloat16)
+    lora_ref = copy.deepcopy(lora_bf16).to(device="cpu", dtype=torch.float32)  # the same rounded weights
+    xb, dyb = x.bfloat16(), dy.bfloat16()
+    if impl == "native":
+        from k3.kernels.grouped_mm import native_grouped_mm_supported
+
+        if not native_grouped_mm_supported(xb.cuda(), lora_bf16.w1):
+            pytest.skip("no native grouped GEMM for BF16 on this GPU / torch")
+    with bench.forced_impl(impl):
+        out_c, grads_c = forward_backward(lora_bf16, xb.cuda(), counts.cuda(), dyb.cuda())
+    out, grads = forward_backward(lora_ref, xb.float(), counts, dyb.float())
+    errs = {"out": rel_err(out_c, out), **{n: rel_err(grads_c[n], grads[n]) for n in grads}}
+    print(impl, {k: f"{v:.1e}" for k, v in errs.items()})
+    assert all(e <= REL_BF16 for e in errs.values()), errs
