@@ -33,9 +33,12 @@ test-gpu: install
 smoke: install
 	$(BIN)/python -m k3.launch.smoke --run-dir runs/smoke
 
-smoke-4layer: install
+# No `install`: the script runs on the GPU node's own python (K3_PYTHON, else the first one whose torch sees CUDA),
+# not on the CPU .venv. DRY_RUN=1 validates and prints the plan only.
+smoke-4layer:
 	bash ci/smoke_4layer.sh
 
+# Submits from this machine's .venv (ray, k3-harness); DRY_RUN=1 validates the launch and submits nothing.
 acceptance-full: install
 	bash ci/acceptance_full.sh
 

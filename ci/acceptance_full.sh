@@ -20,13 +20,28 @@
 #   K3_RUN_ID, K3_RUN_DIR job id (default acceptance-<UTC time>) and run directory (default runs/<id>)
 #   K3_WATCH_TIMEOUT      give up watching after this many seconds (default: none)
 #   K3_WATCH_POLL         seconds between the watch's reads of the run (default 30)
-#   K3_EXTRA_TRAIN_ARGS   appended to `k3 train` (e.g. "--backend megatron --rollout-engine sglang")
+#   K3_EXTRA_TRAIN_ARGS   appended to `k3 train` (e.g. "--lora-rank 16")
+#   K3_REMOTE_PATHS=1     the three paths exist on the cluster but not here (submitting from another machine):
+#                         skip the local existence checks; the flags are still validated here
+#   DRY_RUN=1 / --dry-run validate everything and print the resolved plan; submit nothing
+#
+# Exit: the verdict's (0 every criterion passed); 2 a precondition is missing (nothing was submitted).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 die() { echo "acceptance-full: $*" >&2; exit 2; }
 
-if [[ -z "${RAY_ADDRESS:-}" ]]; then
+DRY_RUN="${DRY_RUN:-0}"
+for arg in "$@"; do
+  case "$arg" in
+    --dry-run) DRY_RUN=1 ;;
+    -h|--help) sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) die "unknown argument '$arg' (extra k3 train flags go in K3_EXTRA_TRAIN_ARGS)" ;;
+  esac
+done
+[[ "$DRY_RUN" == "0" || -z "$DRY_RUN" ]] && DRY_RUN=0 || DRY_RUN=1
+
+if [[ -z "${RAY_ADDRESS:-}" && $DRY_RUN == 0 ]]; then
   die "no Ray cluster: set RAY_ADDRESS to the job address of an existing 16-node × 4-GPU cluster (e.g.
   RAY_ADDRESS=http://head:8265 make acceptance-full). Nothing was submitted."
 fi
@@ -36,12 +51,23 @@ RAY=$BIN/ray
 [[ -n "${K3_HF_CHECKPOINT:-}" ]] || die "set K3_HF_CHECKPOINT to the native MXFP4 checkpoint directory"
 [[ -n "${K3_REF_LOAD:-}" ]] || die "set K3_REF_LOAD to the torch_dist checkpoint of the base"
 [[ -n "${K3_DATA_DIR:-}" ]] || die "set K3_DATA_DIR to the datasets directory (k3 prepare-data)"
+if [[ "${K3_REMOTE_PATHS:-0}" != 1 ]]; then
+  # The job's entrypoint runs on the head node, which is where this script is meant to run.
+  [[ -f "$K3_HF_CHECKPOINT/config.json" ]] ||
+    die "K3_HF_CHECKPOINT=$K3_HF_CHECKPOINT has no config.json (set K3_REMOTE_PATHS=1 if it exists only on the cluster)"
+  [[ -d "$K3_REF_LOAD" ]] || die "K3_REF_LOAD=$K3_REF_LOAD does not exist (\`k3 convert hf-to-dist\`)"
+  for f in dapo-math-17k/dapo-math-17k.jsonl aime-2024/aime-2024.jsonl; do
+    [[ -f "$K3_DATA_DIR/$f" ]] ||
+      die "K3_DATA_DIR=$K3_DATA_DIR has no $f: run \`k3 prepare-data --task dapo-math --data-dir $K3_DATA_DIR\`"
+  done
+fi
 
 RUN_ID=${K3_RUN_ID:-acceptance-$(date -u +%Y%m%d-%H%M%S)}
 RUN_DIR=${K3_RUN_DIR:-runs/$RUN_ID}
 PROFILE=${K3_HARDWARE_PROFILE:-}
-mkdir -p "$RUN_DIR"
-RUN_DIR=$(cd "$RUN_DIR" && pwd)
+[[ -e "$RUN_DIR/resolved_config.json" ]] && die "$RUN_DIR already holds a run: set K3_RUN_ID / K3_RUN_DIR to a new one"
+mkdir -p "$(dirname "$RUN_DIR")"
+RUN_DIR=$(cd "$(dirname "$RUN_DIR")" && pwd)/$(basename "$RUN_DIR")
 SUMMARY=${GITHUB_STEP_SUMMARY:-$RUN_DIR/summary.md}
 HARNESS=("$BIN/k3-harness")
 PROFILE_ARGS=()
@@ -49,6 +75,7 @@ PROFILE_ARGS=()
 
 # The recipe page's validated launch (§4), with our run directory and the cluster joined as it is.
 TRAIN=(k3 train --external-ray --run-dir "$RUN_DIR" --run-id "$RUN_ID"
+  --backend megatron --rollout-engine sglang
   --mode normal --model-variant full --task dapo-math --reward-model deepscaler
   --num-nodes 16 --num-gpus-per-node 4
   --pipeline-parallel-size 8 --context-parallel-size 2
@@ -63,6 +90,29 @@ TRAIN=(k3 train --external-ray --run-dir "$RUN_DIR" --run-id "$RUN_ID"
   --data-dir "$K3_DATA_DIR" --enable-wandb)
 # shellcheck disable=SC2206  # extra args are words on purpose
 TRAIN+=(${K3_EXTRA_TRAIN_ARGS:-})
+
+# Validate the flags here before anything reaches the cluster: `k3 train --dry-run` in a scratch directory
+# (exit 2: the configuration is invalid; 1: inputs missing here, fatal unless they live on the cluster only).
+PLAN_DIR=$(mktemp -d "${TMPDIR:-/tmp}/k3-acceptance-plan.XXXXXX")
+trap 'rm -rf "$PLAN_DIR"' EXIT
+PLAN=("${TRAIN[@]:2}")
+for i in "${!PLAN[@]}"; do [[ "${PLAN[$i]}" == "$RUN_DIR" ]] && PLAN[$i]="$PLAN_DIR/run"; done
+echo "acceptance-full: resolved plan (k3 train --dry-run)"
+set +e
+"$BIN/k3" train "${PLAN[@]}" --dry-run
+PLAN_RC=$?
+set -e
+if [[ $PLAN_RC -eq 2 ]] || { [[ $PLAN_RC -ne 0 ]] && [[ "${K3_REMOTE_PATHS:-0}" != 1 ]]; }; then
+  die "k3 train --dry-run rejected the launch (exit $PLAN_RC, see above). Nothing was submitted."
+fi
+# The four lines the recipe page (§5.1) says to check first.
+grep -E '^ +(expert_model_parallel_size|max_tokens_per_gpu|colocate_memory_peak_device|lora_base_cpu_backup) ' \
+  "$PLAN_DIR/run/resolved_config.txt" || true
+if [[ $DRY_RUN == 1 ]]; then
+  echo "acceptance-full: dry run: the launch is valid; it would run as job $RUN_ID into $RUN_DIR"
+  exit 0
+fi
+mkdir -p "$RUN_DIR"
 
 echo "acceptance-full: job $RUN_ID on $RAY_ADDRESS, run directory $RUN_DIR"
 "$RAY" job submit --address "$RAY_ADDRESS" --submission-id "$RUN_ID" --no-wait -- "${TRAIN[@]}"

@@ -199,7 +199,15 @@ plan_rc=0
 if command -v "$PY" >/dev/null 2>&1 && [[ -z "${V[k3]:-}" ]]; then
     echo "smoke-4layer: resolved plan (k3 train --dry-run)"
     "$PY" -m k3.launch.cli train "${TRAIN_ARGS[@]}" --dry-run --run-dir "$PLAN_DIR/run" || plan_rc=$?
-    (( plan_rc == 0 )) || problem "k3 train --dry-run rejected the plan (exit $plan_rc, see above)"
+    if (( plan_rc == 2 )); then
+        problem "k3 train --dry-run rejected the configuration (see above)"
+    elif (( plan_rc != 0 )); then
+        problem "k3 train --dry-run found inputs missing (listed above; exit $plan_rc)"
+    else
+        # The resolved lines harness/spec/4layer.toml checks.
+        grep -E '^ +(expert_model_parallel_size|max_tokens_per_gpu|colocate_memory_peak_device|lora_base_cpu_backup) ' \
+            "$PLAN_DIR/run/resolved_config.txt" || true
+    fi
 fi
 
 if (( ${#PROBLEMS[@]} )); then

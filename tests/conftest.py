@@ -24,7 +24,7 @@ def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     skip_cluster = pytest.mark.skip(reason="needs a configured cluster run (--k3-run RUN or K3_CLUSTER_RUN)")
     for item in items:
-        if "gpu" in item.keywords and not has_cuda:
+        if item.get_closest_marker("gpu") and not has_cuda:
             item.add_marker(skip_gpu)
-        if "cluster" in item.keywords and not cluster_run:
+        if item.get_closest_marker("cluster") and not cluster_run:
             item.add_marker(skip_cluster)

@@ -119,7 +119,8 @@ class TrainArgs:
                         f"trainer (full: switched to {_PATHS_FULL['ref_load']})", group="model")
     megatron_model_type: str = opt(_PATHS_4LAYER["megatron_model_type"], "model type of the Megatron model "
                                    "args (full: switched to kimi-k3)", group="model")
-    backend: str = opt("torch", "trainer backend: torch (plain PyTorch) or megatron (megatron-core)",
+    backend: str = opt("torch", "trainer backend: torch (plain PyTorch) or megatron (megatron-core; needs CUDA, "
+                       "one training rank for now)",
                        choices=BACKENDS, group="model", ours=True)
     megatron_path: str = opt("/root/Megatron-LM", "Megatron-LM source tree of the recipe image", group="model")
     # --- cluster

@@ -146,9 +146,11 @@ def check_inputs(resolved: ResolvedConfig) -> list[str]:
     elif not (Path(a.hf_checkpoint) / "config.json").is_file():
         what = "does not exist" if not Path(a.hf_checkpoint).exists() else "has no config.json"
         problems.append(f"--hf-checkpoint {a.hf_checkpoint} {what}: pass the directory of an HF checkpoint")
-    if a.backend == "megatron" and (a.ref_load is None or not Path(a.ref_load).exists()):
-        problems.append(f"--ref-load {a.ref_load} does not exist: the megatron backend loads the base from a "
-                        "torch_dist checkpoint (`k3 convert hf-to-dist --hf-checkpoint BF16 --save DCP`)")
+    # Without --ref-load the megatron backend loads the base from --hf-checkpoint; a given one must exist.
+    if a.backend == "megatron" and a.ref_load is not None and not Path(a.ref_load).exists():
+        problems.append(f"--ref-load {a.ref_load} does not exist: pass a torch_dist checkpoint made by "
+                        "`k3 convert hf-to-dist --hf-checkpoint BF16 --save DCP`, or leave --ref-load out to load "
+                        "the base from --hf-checkpoint")
     fetch = f"`k3 prepare-data --task {a.task} --data-dir {a.data_dir}`"
     if not Path(data.prompt_data).is_file():
         problems.append(f"training data {data.prompt_data} not found: run {fetch}")

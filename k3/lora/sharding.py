@@ -8,7 +8,7 @@ gradient must be summed over, on top of the usual data-parallel reduction:
 |---|---|---|---|
 | ``o_lora_A`` | (r, 12288) | split dim 1 over TP (like the row-parallel base input) | — |
 | ``o_lora_B`` | (hidden, r) | replicated | — |
-| ``q_a_lora_A/B``, ``kv_a_lora_A/B`` | (r, hidden) / (1536 or 576, r) | replicated (the base is duplicated) | — |
+| ``q_a_lora_A/B``, ``kv_a_lora_A/B`` | (r, hidden) / (1536 or 576, r) | replicated (the base is duplicated) | TP |
 | ``fc1_lora_A`` | (r, hidden) | replicated | TP |
 | ``fc1_lora_B`` | (2F, r) = [gate; up] | each half split on dim 0 over TP; local = [gate_t; up_t] | — |
 | ``fc2_lora_A`` | (r, F) | split dim 1 over TP | — |
@@ -19,8 +19,10 @@ gradient must be summed over, on top of the usual data-parallel reduction:
 | ``w2_lora_B`` | (latent, r) | shared, replicated | EP |
 
 Why the sums: a replicated factor whose consumers are sharded sees only its rank's share of the gradient
-(fc1's A feeds TP-sharded B columns; an expert's shared A feeds only the EP rank's local experts' tokens;
-fc2's B under SP sees only the rank's sequence shard), so the true gradient is the sum over that group.
+(fc1's A feeds TP-sharded B columns; q_a's and kv_a's adapters feed a duplicated projection whose output goes
+through the norm into the column-parallel q_b / kv_b, so each rank back-propagates only its columns' part of
+the output gradient; an expert's shared A feeds only the EP rank's local experts' tokens; fc2's B under SP
+sees only the rank's sequence shard), so the true gradient is the sum over that group.
 Experts need ETP = 1. ``shard`` and ``gather`` are exact inverses.
 """
 
@@ -87,10 +89,10 @@ class FactorRule:
 FACTORS: dict[str, FactorRule] = {r.factor: r for r in [
     FactorRule("o_lora_A", 1, "tp"),
     FactorRule("o_lora_B", None, None),
-    FactorRule("q_a_lora_A", None, None),
-    FactorRule("q_a_lora_B", None, None),
-    FactorRule("kv_a_lora_A", None, None),
-    FactorRule("kv_a_lora_B", None, None),
+    FactorRule("q_a_lora_A", None, None, grad_sum="tp"),
+    FactorRule("q_a_lora_B", None, None, grad_sum="tp"),
+    FactorRule("kv_a_lora_A", None, None, grad_sum="tp"),
+    FactorRule("kv_a_lora_B", None, None, grad_sum="tp"),
     FactorRule("fc1_lora_A", None, None, grad_sum="tp"),
     FactorRule("fc1_lora_B", 0, "tp", halves=True),
     FactorRule("fc2_lora_A", 1, "tp"),

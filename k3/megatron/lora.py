@@ -15,10 +15,11 @@ communication its base needs:
 | routed experts fc1 / fc2 | shared-outer grouped GEMMs on the dispatched rows | none (outside TP) |
 
 Gradients: factors tagged ``k3_grad_sum`` are summed over TP / EP by ``k3.megatron.grads`` before megatron's
-data-parallel reduction, as ``k3.lora.sharding`` prescribes, with one difference: inside the TP region every
-consumer of the gathered input yields only its rank's gradient share (``k3.megatron.linears``), so the
-duplicated ``q_a``/``kv_a`` adapters' factors are summed over TP too. Routed-expert factors, shared or not,
-are expert parameters (reduced over expert-data-parallel ranks by megatron).
+data-parallel reduction, as ``k3.lora.sharding`` prescribes (inside the TP region every consumer of the
+gathered input yields only its rank's gradient share, ``k3.megatron.linears``: hence the TP sums of fc1's A and
+of the duplicated ``q_a``/``kv_a`` adapters' factors). Routed-expert factors, shared or not, are expert
+parameters (reduced over expert-data-parallel ranks by megatron), marked so that megatron's gradient norm (the
+global-norm clip) counts each once under every layout (``mark_expert_factor``).
 
 Initial values are drawn from the *global* factor with a generator seeded by ``seed`` and the factor's
 global name, then sharded: the same ``seed`` gives the same adapters under every layout.
@@ -44,10 +45,8 @@ from k3.megatron.mla import K3MLAttention
 from k3.megatron.mlp import K3SiTUMLP
 from k3.megatron.moe import K3LatentMoE, K3RoutedExperts
 
-__all__ = ["apply_megatron_lora", "lora_parameters", "gather_lora", "load_lora", "LoRAAdapter", "ParallelContext"]
-
-# Factors this implementation sums over TP although k3.lora.sharding lists no sum (see the module docstring).
-TP_SUM_IN_REGION = ("q_a_lora_A", "q_a_lora_B", "kv_a_lora_A", "kv_a_lora_B")
+__all__ = ["LoRAAdapter", "ParallelContext", "apply_megatron_lora", "gather_lora", "load_lora", "lora_parameters",
+           "mark_expert_factor"]
 
 
 class ParallelContext:
@@ -85,7 +84,7 @@ class LoRAAdapter(nn.Module):
         param = nn.Parameter(piece.to(device=like.device, dtype=like.dtype))
         if rule.split_group == "tp":
             set_tensor_model_parallel_attributes(param, True, rule.split_dim, 1)
-        group = "tp" if factor in TP_SUM_IN_REGION else grad_sum_group(factor, self.ctx.layout)
+        group = grad_sum_group(factor, self.ctx.layout)
         if group is not None and self.ctx.layout.size(group) > 1:
             mark_grad_sum(param, group)
         param.k3_lora_factor = factor
@@ -154,6 +153,21 @@ class RowParallelLoRA(LoRAAdapter):
         return delta
 
 
+def mark_expert_factor(param: nn.Parameter, ctx: ParallelContext) -> None:
+    """Make a routed-expert factor an expert parameter of megatron's and count it once in the gradient norm.
+
+    ``allreduce = False``: DDP reduces it over the expert-data-parallel ranks, the optimizer puts it in the
+    expert optimizer. That optimizer's gradient norm is summed over EP (× ETP × PP) only, while megatron skips a
+    parameter without ``tensor_model_parallel`` on TP ranks > 0: with ETP 1 every TP rank holds the same expert
+    factors (not TP duplicates to skip), so they are marked ``tensor_model_parallel``, as megatron's own
+    expert weights are; and a factor shared by all experts is on every EP rank, so it is counted on EP rank 0
+    only (``shared`` elsewhere). Without both, the TP ranks clip with different norms and EP over-counts."""
+    param.allreduce = False
+    set_tensor_model_parallel_attributes(param, True, 0, 1)
+    if factor_rule(param.k3_lora_factor).split_group is None and ctx.rank_in("ep") > 0:
+        param.shared = True
+
+
 class ExpertFc1LoRA(LoRAAdapter):
     """Routed experts' gate/up: shared ``w1_lora_A``/``w3_lora_A`` [r, Lt], per-expert ``w1_lora_B``/``w3_lora_B``
     [E_local, F, r]; ``delta_e = s · [B1_e (A1 x) | B3_e (A3 x)]`` (the fc1 output layout ``[gate | up]``)."""
@@ -167,7 +181,7 @@ class ExpertFc1LoRA(LoRAAdapter):
         for name in ("w1", "w3"):
             self.add_factor(f"{name}_lora_B", (num_experts, F_, self.rank), w)
         for p in self.parameters(recurse=False):
-            p.allreduce = False
+            mark_expert_factor(p, self.ctx)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         u = self.adapter_input(x) @ torch.cat([self.w1_lora_A, self.w3_lora_A]).t()  # [rows, 2r]: one GEMM
@@ -187,7 +201,7 @@ class ExpertFc2LoRA(LoRAAdapter):
         self.add_factor("w2_lora_A", (num_experts, self.rank, F_), w, xavier_fan_in=F_)
         self.add_factor("w2_lora_B", (Lt, self.rank), w)
         for p in self.parameters(recurse=False):
-            p.allreduce = False
+            mark_expert_factor(p, self.ctx)
 
     def forward(self, h: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         u = grouped_mm(self.adapter_input(h), self.w2_lora_A, counts)  # [rows, r]

@@ -2,48 +2,145 @@
 
 ``build_lora_trainer`` builds this rank's model (``k3_model_provider``), loads the base weights, attaches the
 adapters, wraps the model in megatron's ``DistributedDataParallel`` and builds megatron's optimizer over the
-adapter factors; ``MegatronLoRATrainer.step`` runs one optimizer step over a list of micro-batches (gradient
-accumulation; the loss is the token-mean of each micro-batch, averaged over micro-batches and data-parallel
-ranks, megatron's convention).
+adapter factors. ``MegatronLoRATrainer``:
+
+- ``step(micro_batches, loss_fn)`` runs one optimizer step over this rank's micro-batches (gradient
+  accumulation) with a pluggable loss. The forward yields per-token log-probabilities of the labels
+  (``TokenOutputs``, megatron's vocab-parallel cross entropy, negated) and, on request, per-token entropies;
+  ``loss_fn`` turns them into the micro-batch's *share* of the step's loss. The step minimises the sum of the
+  shares over micro-batches and data-parallel ranks. The default, ``token_mean_loss``, is megatron's
+  convention: the token-mean of each micro-batch, averaged over micro-batches and data-parallel ranks.
+- ``forward(micro_batches)`` is the same forward without gradients (log-probs of rollout tokens).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from k3.lora.config import LoRAConfig
 from k3.megatron.config import K3TransformerConfig
+from k3.megatron.context_parallel import cp_gather_tokens, cp_local_tokens
 from k3.megatron.grads import finalize_k3_model_grads
 from k3.megatron.lora import apply_megatron_lora
 from k3.megatron.model import k3_model_provider
 
-__all__ = ["MicroBatch", "MegatronLoRATrainer", "build_lora_trainer"]
+__all__ = ["LossContext", "LossFn", "MegatronLoRATrainer", "MicroBatch", "TokenOutputs", "build_lora_trainer",
+           "token_mean_loss", "token_outputs", "vocab_parallel_entropy"]
 
 
 @dataclass
 class MicroBatch:
     """One micro-batch: ``input_ids``/``labels`` ``[batch, seq]`` long, ``loss_mask`` ``[batch, seq]`` float (1
-    where the token's loss counts; pad on the right)."""
+    where the token's loss counts; pad on the right). ``extra``: whatever else a loss function reads (e.g.
+    old log-probs ``[batch, seq]``, advantages ``[batch]``); moved to the model's device with the rest."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
     loss_mask: torch.Tensor
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def to(self, device: torch.device) -> MicroBatch:
+        return MicroBatch(self.input_ids.to(device), self.labels.to(device), self.loss_mask.to(device),
+                          {k: v.to(device) for k, v in self.extra.items()})
 
 
-def _masked_mean(loss_mask: torch.Tensor, per_token: torch.Tensor):
-    mask = loss_mask.float()
-    loss = (per_token.float() * mask).sum() / mask.sum().clamp_min(1.0)
-    # clone: the schedule divides the returned loss in place by the number of micro-batches
-    return loss, {"loss": loss.detach().clone()}
+@dataclass
+class TokenOutputs:
+    """What the forward yields per token: ``log_probs`` ``[batch, seq]`` float32, log p(label) in nats (carries
+    the graph in a training step); ``entropy`` ``[batch, seq]`` float32 of the next-token distribution, detached,
+    or None when not asked for."""
+
+    log_probs: torch.Tensor
+    entropy: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class LossContext:
+    """Where a micro-batch sits: micro-batches per rank in this step, data- and context-parallel sizes."""
+
+    num_micro_batches: int
+    data_parallel_size: int
+    context_parallel_size: int = 1
+
+
+LossFn = Callable[[MicroBatch, TokenOutputs, LossContext], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+"""``loss_fn(mb, outputs, ctx) -> (share, metrics)``: ``share`` is the micro-batch's contribution to the
+step's loss (a scalar with the graph): the loss minimised is the sum of the shares over micro-batches and
+data-/context-parallel ranks. ``metrics``: detached scalars, summed the same way."""
+
+
+def token_mean_loss(mb: MicroBatch, out: TokenOutputs, ctx: LossContext) -> tuple[torch.Tensor, dict]:
+    """Megatron's convention: the masked token-mean of ``-log p`` of each micro-batch, averaged over the
+    micro-batches and data-parallel ranks. Under context parallelism a rank holds part of each sequence: its
+    share divides its token sum by the micro-batch's token count over the CP group, so the CP ranks' shares add
+    up to the micro-batch's mean."""
+    mask = mb.loss_mask.float()
+    count = mask.sum()
+    if ctx.context_parallel_size > 1:
+        count = count.detach().clone()
+        dist.all_reduce(count, group=parallel_state.get_context_parallel_group())
+    mean = (-out.log_probs * mask).sum() / count.clamp_min(1.0)
+    return mean / (ctx.num_micro_batches * ctx.data_parallel_size), {}
+
+
+@torch.no_grad()
+def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy (nats, float32) of the softmax over the whole vocabulary, from this TP rank's vocab slice
+    ``logits [..., vocab/tp]``: ``log Z - sum(p · (l - max))`` with the max, ``Z`` and the sum reduced over TP."""
+    group = parallel_state.get_tensor_model_parallel_group()
+    many = dist.get_world_size(group) > 1
+    x = logits.float()
+    peak = x.max(dim=-1).values
+    if many:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    shifted = x - peak.unsqueeze(-1)
+    e = shifted.exp()
+    sums = torch.stack([e.sum(dim=-1), (e * shifted).sum(dim=-1)])
+    if many:
+        dist.all_reduce(sums, group=group)
+    return sums[0].log() - sums[1] / sums[0]
+
+
+def token_outputs(logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool = False) -> TokenOutputs:
+    """Per-token log-probs (and entropies) from this TP rank's ``logits [batch, seq, vocab/tp]``.
+
+    The entropy is taken first: megatron's vocab-parallel cross entropy works in place on float32 logits."""
+    entropy = vocab_parallel_entropy(logits) if with_entropy else None
+    log_probs = -tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels)
+    return TokenOutputs(log_probs=log_probs, entropy=entropy)
+
+
+def _cp_local(mb: MicroBatch) -> MicroBatch:
+    """This context-parallel rank's tokens of ``mb`` (the load-balanced split of ``k3.megatron.context_parallel``):
+    the ids, labels, mask and every ``extra`` tensor shaped ``[batch, seq]`` like them; per-sequence extras
+    (e.g. advantages ``[batch]``) stay whole. The whole ``mb`` at CP 1."""
+    if parallel_state.get_context_parallel_world_size() == 1:
+        return mb
+    group, shape = parallel_state.get_context_parallel_group(), mb.input_ids.shape
+
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        return cp_local_tokens(t, group) if t.shape[:2] == shape else t
+
+    return MicroBatch(cut(mb.input_ids), cut(mb.labels), cut(mb.loss_mask), {k: cut(v) for k, v in mb.extra.items()})
+
+
+def _check_shapes(micro_batches: Sequence[MicroBatch], what: str) -> tuple[int, int]:
+    if not micro_batches:
+        raise ValueError(f"{what}: no micro-batches")
+    shapes = {tuple(mb.input_ids.shape) for mb in micro_batches}
+    if len(shapes) != 1:
+        raise ValueError(f"{what}: micro-batches have different shapes {sorted(shapes)}; pad them to one")
+    return shapes.pop()
 
 
 @dataclass
@@ -54,38 +151,121 @@ class MegatronLoRATrainer:
     model: list[DistributedDataParallel]
     optimizer: object
 
-    def step(self, micro_batches: Sequence[MicroBatch]) -> dict[str, float]:
-        """One optimizer step over ``micro_batches``; returns ``loss`` (mean over micro-batches and DP ranks),
-        ``grad_norm`` and whether the update was applied."""
-        if not micro_batches:
-            raise ValueError("step: no micro-batches")
-        shapes = {tuple(mb.input_ids.shape) for mb in micro_batches}
-        if len(shapes) != 1:
-            raise ValueError(f"step: micro-batches have different shapes {sorted(shapes)}; pad them to one")
-        b, s = shapes.pop()
-        for chunk in self.model:
-            chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        data = iter(micro_batches)
-        device = next(self.model[0].parameters()).device
+    @property
+    def device(self) -> torch.device:
+        return next(self.model[0].parameters()).device
+
+    def context(self, num_micro_batches: int) -> LossContext:
+        return LossContext(num_micro_batches, parallel_state.get_data_parallel_world_size(),
+                           parallel_state.get_context_parallel_world_size())
+
+    def _run(self, micro_batches: Sequence[MicroBatch], loss_func, forward_only: bool, b: int, s: int) -> list:
+        device = self.device
+        data = iter([_cp_local(mb.to(device)) for mb in micro_batches])
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            out = model(mb.input_ids.to(device), None, None, labels=mb.labels.to(device))
-            return out, partial(_masked_mean, mb.loss_mask.to(device))
+            logits = model(mb.input_ids, None, None)  # [b, s, vocab/tp] on the last stage
+            return logits, partial(loss_func, mb)
 
-        losses = get_forward_backward_func()(
+        return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=data, model=self.model,
-            num_microbatches=len(micro_batches), seq_length=s, micro_batch_size=b, forward_only=False,
+            num_microbatches=len(micro_batches), seq_length=s, micro_batch_size=b, forward_only=forward_only,
         )
-        applied, grad_norm, _ = self.optimizer.step()
-        loss = torch.zeros((), device=device)
-        if parallel_state.is_pipeline_last_stage() and losses:
-            loss = torch.stack([d["loss"] for d in losses]).mean()
-        dist.all_reduce(loss, group=parallel_state.get_pipeline_model_parallel_group())  # from the last stage
-        dist.all_reduce(loss, group=parallel_state.get_data_parallel_group())
-        loss = loss / parallel_state.get_data_parallel_world_size()
-        return {"loss": float(loss), "grad_norm": float(grad_norm or 0.0), "applied": bool(applied)}
+
+    def step(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn = token_mean_loss,
+             with_entropy: bool = False) -> dict[str, float]:
+        """One optimizer step over this rank's ``micro_batches`` minimising the sum of ``loss_fn``'s shares.
+
+        Returns ``loss`` (the sum of the shares over micro-batches and data-parallel ranks), every metric of
+        ``loss_fn`` summed the same way, ``grad_norm`` (before clipping) and ``applied``. A non-finite gradient
+        norm applies nothing and raises ``FloatingPointError``."""
+        b, s = _check_shapes(micro_batches, "step")
+        ctx = self.context(len(micro_batches))
+        # megatron's schedule divides each returned loss by the micro-batch count and DDP averages gradients
+        # over data-parallel ranks (the context-parallel factor cancels): undo both, so the gradient is that of
+        # the sum of the shares.
+        undo = float(ctx.num_micro_batches * ctx.data_parallel_size)
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self.model[0].train()
+
+        def loss_func(mb: MicroBatch, logits: torch.Tensor):
+            share, metrics = loss_fn(mb, token_outputs(logits, mb.labels, with_entropy), ctx)
+            # clone: the schedule divides the returned loss in place
+            reported = {"loss": share.detach().clone(), **{k: v.detach().clone() for k, v in metrics.items()}}
+            return share * undo, reported
+
+        stored = self._run(micro_batches, loss_func, False, b, s)
+        sums = self._reduce_metrics(stored)
+        self.optimizer.prepare_grads()
+        norm = float(self.optimizer.get_grad_norm())
+        if not math.isfinite(norm):
+            for chunk in self.model:
+                chunk.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            raise FloatingPointError(f"gradient norm is {norm}: the optimizer step was not applied")
+        applied, _, _ = self.optimizer.step()
+        return {**sums, "grad_norm": norm, "applied": bool(applied)}
+
+    def _reduce_metrics(self, stored: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        """Sum the per-micro-batch metric dicts of the last stage over micro-batches, then over the pipeline
+        (from the last stage) and the data-/context-parallel ranks."""
+        names = sorted(stored[0]) if stored else []
+        # every stage must agree on the names: they come from the last stage
+        holder = [names]
+        pp_group = parallel_state.get_pipeline_model_parallel_group()
+        if dist.get_world_size(pp_group) > 1:
+            dist.broadcast_object_list(holder, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                                       group=pp_group)
+        names = holder[0]
+        device = self.device
+        total = torch.zeros(len(names), dtype=torch.float64, device=device)
+        if parallel_state.is_pipeline_last_stage() and stored:
+            total = torch.stack([torch.stack([d[n].double() for n in names]) for d in stored]).sum(0).to(device)
+        dist.all_reduce(total, group=pp_group)
+        dist.all_reduce(total, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+        return {n: float(v) for n, v in zip(names, total.tolist())}
+
+    @torch.no_grad()
+    def forward(self, micro_batches: Sequence[MicroBatch], with_entropy: bool = False) -> list[TokenOutputs]:
+        """Per-token log-probs (and entropies) of every micro-batch, in eval mode and without gradients; every
+        pipeline stage gets them (broadcast from the last)."""
+        b, s = _check_shapes(micro_batches, "forward")
+        was_training = self.model[0].training
+        self.model[0].eval()
+
+        def loss_func(mb: MicroBatch, logits: torch.Tensor):
+            out = token_outputs(logits, mb.labels, with_entropy)
+            kept = {"log_probs": out.log_probs.detach()}
+            if out.entropy is not None:
+                kept["entropy"] = out.entropy
+            return torch.zeros((), device=logits.device), kept
+
+        try:
+            stored = self._run(micro_batches, loss_func, True, b, s)
+        finally:
+            self.model[0].train(was_training)
+        device = self.device
+        pp_group = parallel_state.get_pipeline_model_parallel_group()
+        last = parallel_state.is_pipeline_last_stage()
+        outs = []
+        for k in range(len(micro_batches)):
+            lp = stored[k]["log_probs"] if last else torch.empty((b, s), dtype=torch.float32, device=device)
+            ent = stored[k].get("entropy") if last else (
+                torch.empty((b, s), dtype=torch.float32, device=device) if with_entropy else None)
+            if last:  # under CP each rank holds its tokens: back into sequence order
+                cp_group = parallel_state.get_context_parallel_group()
+                lp = cp_gather_tokens(lp, cp_group)
+                ent = None if ent is None else cp_gather_tokens(ent, cp_group)
+            if dist.get_world_size(pp_group) > 1:
+                src = parallel_state.get_pipeline_model_parallel_last_rank()
+                dist.broadcast(lp, src=src, group=pp_group)
+                if ent is not None:
+                    dist.broadcast(ent, src=src, group=pp_group)
+            outs.append(TokenOutputs(log_probs=lp, entropy=ent))
+        return outs
 
 
 def build_lora_trainer(
@@ -97,10 +277,13 @@ def build_lora_trainer(
     weight_decay: float = 0.0,
     use_distributed_optimizer: bool = False,
     lora_seed: int = 0,
+    betas: tuple[float, float] = (0.9, 0.999),
+    adam_eps: float = 1e-8,
 ) -> MegatronLoRATrainer:
     """This rank's trainer: model from ``config``, base weights via ``load_base(model)`` (e.g.
     ``partial(load_dist, load=DCP)`` or ``partial(load_hf_checkpoint, hf_dir=…, cfg=…)``), adapters from
-    ``lora``, Adam over the adapters. Call after ``k3.megatron.parallel.init_parallel``."""
+    ``lora``, Adam (decoupled weight decay, i.e. AdamW; megatron exempts 1-D parameters and biases from decay)
+    over the adapters. Call after ``k3.megatron.parallel.init_parallel``."""
     model = k3_model_provider(config)
     if torch.cuda.is_available():
         model = model.cuda()
@@ -110,9 +293,15 @@ def build_lora_trainer(
                                                use_distributed_optimizer=use_distributed_optimizer)
     ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     opt_config = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=weight_decay, clip_grad=clip_grad,
+                                 adam_beta1=betas[0], adam_beta2=betas[1], adam_eps=adam_eps,
                                  bf16=config.bf16, params_dtype=config.params_dtype,
                                  use_distributed_optimizer=use_distributed_optimizer)
     optimizer = get_megatron_optimizer(opt_config, [ddp])
+    # Megatron's lr scheduler is what turns a group's wd_mult / lr_mult into its settings; there is none here
+    # (constant lr, the recipe's), so apply them once.
+    for group in optimizer.param_groups:
+        group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)
+        group["lr"] = lr * group.get("lr_mult", 1.0)
     config.finalize_model_grads_func = finalize_k3_model_grads
     config.grad_scale_func = optimizer.scale_loss
     config.no_sync_func = ddp.no_sync

@@ -1,13 +1,17 @@
 """The recipe's loop on one machine: rollout → reward → GRPO step → adapter sync → eval → adapter checkpoint.
 
 ``run(resolved)`` is what ``k3 train`` calls after resolving and validating the flags. The trainer and the
-embedded engine run as Ray actors in the same placement-group bundle (colocated); memory is handed between
-them in the order of ``--colocate-memory-peak-device`` (recipe §5.4), and every sync is bracketed by memory
-records that the harness checks. The run directory follows docs/RUN_DIRECTORY.md.
+rollout engines (``--rollout-engine embedded``: one ``EngineWorker``; ``sglang``: one ``k3.rl.sglang_worker``
+engine per ``rollout_num_gpus_per_engine`` GPUs) run as Ray actors in the placement-group bundles of the
+training ranks (colocated); memory is handed between them in the order of ``--colocate-memory-peak-device``
+(recipe §5.4, ``k3.rl.colocate``), every sync pauses generation on every engine and continues it only after
+the trainer returned, and every sync is bracketed by per-rank memory records that the harness checks. The run
+directory follows docs/RUN_DIRECTORY.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -19,6 +23,7 @@ from typing import Any
 import torch
 
 from k3.launch.args import ResolvedConfig
+from k3.rl import colocate
 from k3.rl.grpo import GRPOConfig, group_advantages
 from k3.rl.metrics import MetricsWriter
 from k3.rl.policy import Trajectory
@@ -48,16 +53,21 @@ def prompts_for_rollout(n_records: int, rollout_id: int, batch_size: int, seed: 
 
 # ------------------------------------------------------------------------------------------------ the loop
 class Loop:
-    """One run. ``trainer``/``engine`` are handles with a ``call(method, *args)`` facade (Ray or in-process)."""
+    """One run. ``trainer`` and each engine are handles with a ``call(method, *args)`` facade (Ray or in-process);
+    ``engines`` is one handle or a list of them (one per rollout engine)."""
 
-    def __init__(self, resolved: ResolvedConfig, trainer: Any, engine: Any, writer: MetricsWriter) -> None:
+    def __init__(self, resolved: ResolvedConfig, trainer: Any, engines: Any, writer: MetricsWriter) -> None:
         from k3.rl.data import load_prompts
         from k3.rl.reward import get_reward_fn
         from k3.tokenizer import load_tokenizer
 
         self.r = resolved
         self.a = resolved.args
-        self.trainer, self.engine, self.w = trainer, engine, writer
+        self.engines = list(engines) if isinstance(engines, (list, tuple)) else [engines]
+        if not self.engines:
+            raise TrainingError("the loop needs at least one rollout engine")
+        self.trainer, self.engine, self.w = trainer, self.engines[0], writer
+        self._trainer_asleep = False  # for trainers with sleep()/wake_up() (colocate.py's optional steps)
         self.tokenizer = load_tokenizer(self.a.hf_checkpoint)
         self.train_records = load_prompts(resolved.data.prompt_data)
         self.eval_records = load_prompts(resolved.data.eval_prompt_data) if resolved.data.eval_prompt_data else []
@@ -91,23 +101,31 @@ class Loop:
         began, for ``perf/cycle_time`` (generate + train + sync; evals are outside cycles)."""
         version = self.version + 1
         sync_index = version - 1
+        # Recipe §5.4 step 6: generation is paused on every engine before the first chunk goes out.
+        self._on_engines("pause_generation")
         try:
-            out = self.trainer.call("update_weights", version)
+            outs = _rank_results(self.trainer.call("update_weights", version))
         except Exception as e:  # Ray wraps the trainer's HandoffError; its text carries the cause
             raise TrainingError(
                 f"adapter sync of version {version} failed ({type(e).__name__}: {_last_line(e)}); the engine "
                 f"keeps serving version {self.version}. Restart with --resume to continue from the last adapter "
                 "checkpoint"
             ) from e
-        for rec in out["memory"]:
-            keys = {k: v for k, v in rec.items() if k not in ("time", "event")}
-            self.w.write("memory", rollout_id, sync=sync_index, **keys)
-        served = self.engine.call("adapter_version")
-        if served != version:
-            raise TrainingError(
-                f"after update_weights the engine serves adapter version {served}, expected {version}: the "
-                "adapter sync is broken (the engine kept an old version)"
-            )
+        # Step 7: every trainer rank returned from update_weights, its sync cleanup included: only now may the
+        # engines generate again (an engine resuming earlier OOMed resuming its KV cache in the recipe).
+        self._on_engines("continue_generation")
+        for out in outs:  # one record per rank and phase (the harness's returns_to_baseline is per rank)
+            for rec in out["memory"]:
+                keys = {k: v for k, v in rec.items() if k not in ("time", "event")}
+                self.w.write("memory", rollout_id, sync=sync_index, **keys)
+        out = outs[0]
+        for k, served in enumerate(self._on_engines("adapter_version")):
+            if served != version:
+                which = "the engine" if len(self.engines) == 1 else f"engine {k}"
+                raise TrainingError(
+                    f"after update_weights {which} serves adapter version {served}, expected {version}: the "
+                    "adapter sync is broken (the engine kept an old version)"
+                )
         self.version = version
         keys = {"sync": sync_index, "adapter/version": version, "adapter/chunks": out["chunks"],
                 "perf/update_weights_time": out["perf/update_weights_time"]}
@@ -125,7 +143,7 @@ class Loop:
 
         t0 = time.perf_counter()
         reqs = [GenerateRequest(self._encode(r), {"label": r["label"]}) for r in self.eval_records]
-        samples = self.engine.call("generate", reqs, self._sampling(True, self.a.seed))
+        samples = self._generate(reqs, self._sampling(True, self.a.seed))
         rewards = [self._reward(s, s.meta["label"]) for s in samples]
         n_correct = int(sum(r >= 1.0 for r in rewards))
         rec = {
@@ -156,7 +174,7 @@ class Loop:
             reqs += [GenerateRequest(ids, {"label": rec["label"], "prompt_index": i})
                      for _ in range(a.n_samples_per_prompt)]
         t0 = time.perf_counter()
-        samples = self.engine.call("generate", reqs, self._sampling(False, a.seed * 7919 + rollout_id))
+        samples = self._generate(reqs, self._sampling(False, a.seed * 7919 + rollout_id))
         rollout_time = time.perf_counter() - t0
         stale = [s.adapter_version for s in samples if s.adapter_version != self.version]
         if stale:
@@ -179,8 +197,8 @@ class Loop:
         }
         self.w.write("rollout", rollout_id, **rec)  # written now, so a live watch sees the reward at once
 
-        # Colocated hand-off, recipe §5.4: the engine gives up its memory while the trainer works.
-        self._offload_engine_before_train()
+        # Colocated hand-off, recipe §5.4: the engines give up their memory while the trainer works.
+        self._run_steps(colocate.before_train_steps(self._peak, self._levels))
         trajs = [Trajectory(s.prompt_ids, s.tokens, float(adv[k])) for k, s in enumerate(samples)]
         t0 = time.perf_counter()
         old = self.trainer.call("log_probs", trajs)
@@ -203,28 +221,69 @@ class Loop:
             "rollout/train_rollout_logprob_abs_diff":
                 sum(abs(x - y) for x, y in zip(trainer_lp, engine_lp)) / max(len(trainer_lp), 1),
         })
-        self._onload_engine_after_train()
+        self._run_steps(colocate.after_train_steps(self._peak, self._levels))
         sync = self.sync(rollout_id, cycle_start=t_cycle)
-        self.engine.call("resume_memory", ["kv_cache", "cuda_graph"])
+        self._run_steps(colocate.AFTER_SYNC)
         print(f"rollout {rollout_id}: reward {rec['rollout/raw_reward']:.3f}  "
               f"len {rec['rollout/response_len/mean']:.1f}  rollout {rollout_time:.1f}s  train {train_time:.1f}s  "
               f"sync {sync['perf/update_weights_time'] * 1e3:.0f}ms  "
               f"mem {sync['memory'][-1]['memory/allocated_gb']:.3f} GB", flush=True)
         return rec
 
-    def _offload_engine_before_train(self) -> None:
-        levels = set(self.a.offload_rollout_level)
-        tags = ["kv_cache", "cuda_graph"] + (["weights"] if "weight" in levels else [])
-        if self.a.colocate_memory_peak_device == "gpu":
-            # gpu mode: kv first, the trainer wakes while the engine weights are still resident, then weights.
-            self.engine.call("release_memory", ["kv_cache", "cuda_graph"])
-            if "weights" in tags:
-                self.engine.call("release_memory", ["weights"])
-        else:
-            self.engine.call("release_memory", tags)
+    def first_sync(self) -> dict[str, Any]:
+        """The startup sync (adapter version 1) in the recipe's startup order. An engine that took its memory at
+        start (SGLang: KV cache, CUDA graphs) gave it up before the trainer was created (:func:`start_engines`);
+        here the trainer goes to sleep, the engine weights come back (``cpu`` peak), the adapters go out, and the
+        KV cache comes back. The embedded engine allocates per call: for it this is the sync alone."""
+        if not _engine_holds_memory_at_start(self.a):
+            return self.sync(None)
+        self._run_steps(colocate.before_first_sync_steps(self._peak, self._levels))
+        out = self.sync(None)
+        self._run_steps(colocate.AFTER_SYNC)
+        return out
 
-    def _onload_engine_after_train(self) -> None:
-        self.engine.call("resume_memory", ["weights"])
+    # -- the colocated hand-off (k3.rl.colocate)
+    @property
+    def _peak(self) -> str:
+        return self.a.colocate_memory_peak_device
+
+    @property
+    def _levels(self) -> list[str]:
+        return list(self.a.offload_rollout_level)
+
+    def _on_engines(self, method: str, *args: Any) -> list[Any]:
+        return _call_all(self.engines, method, *args)
+
+    def _run_steps(self, steps: list[colocate.Step] | tuple[colocate.Step, ...]) -> None:
+        for step in steps:
+            if step.target == colocate.ENGINES:
+                self._on_engines(step.method, *([list(step.tags)] if step.tags else []))
+                continue
+            has = getattr(self.trainer, "has", None)
+            if step.optional and (has is None or not has(step.method)):
+                continue  # a trainer without memory regions keeps its memory resident
+            if (step.method == "sleep" and self._trainer_asleep) or (step.method == "wake_up" and
+                                                                     not self._trainer_asleep):
+                continue  # idempotent: the state is already the one asked for
+            self.trainer.call(step.method)
+            if step.method in ("sleep", "wake_up"):
+                self._trainer_asleep = step.method == "sleep"
+
+    def _generate(self, reqs: list[Any], sampling: Any) -> list[Any]:
+        """Generate on every engine at once: contiguous shards of ``reqs`` (GRPO groups stay together when the
+        shard sizes allow), samples back in request order. A shard's seed is offset by its first request's
+        index, so request ``i`` samples with ``seed + i`` whatever the engine count (SGLang's per-request seeds)."""
+        n = len(self.engines)
+        if n == 1:
+            return self.engine.call("generate", reqs, sampling)
+        bounds = [len(reqs) * k // n for k in range(n + 1)]
+        pending = []
+        for k, engine in enumerate(self.engines):
+            lo, hi = bounds[k], bounds[k + 1]
+            if lo < hi:
+                shard = sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + lo)
+                pending.append(_submit(engine, "generate", reqs[lo:hi], shard))
+        return [sample for wait in pending for sample in wait()]
 
     # -- checkpoints
     def save(self, rollout_id: int) -> Path:
@@ -343,6 +402,9 @@ class _Local:
     def call(self, method: str, *args: Any) -> Any:
         return getattr(self.obj, method)(*args)
 
+    def has(self, method: str) -> bool:
+        return callable(getattr(self.obj, method, None))
+
 
 class _Remote:
     def __init__(self, actor: Any) -> None:
@@ -352,6 +414,91 @@ class _Remote:
         import ray
 
         return ray.get(getattr(self.actor, method).remote(*args))
+
+    def has(self, method: str) -> bool:
+        return hasattr(self.actor, method)
+
+    def submit(self, method: str, *args: Any):
+        """Start ``method`` now; returns a function that waits for its result."""
+        import ray
+
+        ref = getattr(self.actor, method).remote(*args)
+        return lambda: ray.get(ref)
+
+
+def _submit(handle: Any, method: str, *args: Any):
+    """Start ``method`` on ``handle`` (at once on a Ray actor); returns a function that waits for the result.
+    A handle without ``submit`` (in-process) runs it here and now."""
+    submit = getattr(handle, "submit", None)
+    if submit is not None:
+        return submit(method, *args)
+    value = handle.call(method, *args)
+    return lambda: value
+
+
+def _call_all(handles: list[Any], method: str, *args: Any) -> list[Any]:
+    """``method`` on every handle, all started before any is waited for; results in handle order."""
+    pending = [_submit(h, method, *args) for h in handles]
+    return [wait() for wait in pending]
+
+
+def _rank_results(out: Any) -> list[dict[str, Any]]:
+    """``update_weights`` results, one per trainer rank (a trainer group returns a list; one rank a dict)."""
+    outs = list(out) if isinstance(out, (list, tuple)) else [out]
+    if not outs:
+        raise TrainingError("update_weights returned no result from any trainer rank")
+    return outs
+
+
+def _engine_holds_memory_at_start(a: Any) -> bool:
+    """SGLang takes its KV cache and CUDA graphs when it starts; the embedded engine allocates per call."""
+    return a.rollout_engine == "sglang"
+
+
+def start_engines(resolved: ResolvedConfig, spec: WorkerSpec, placement: Any | None,
+                  sabotage_sync: bool = False) -> list[Any]:
+    """The run's rollout engines as handles (in-process when ``placement`` is None, else Ray actors), started.
+
+    SGLang engines then give up memory at once (recipe §5.4 startup: the trainer is created after them, into
+    that room): ``cpu`` peak everything of ``--offload-rollout-level``, ``gpu`` peak the KV cache and graphs."""
+    a = resolved.args
+    if a.rollout_engine == "embedded":
+        args = (spec, a.rollout_max_concurrency, a.lora_base_cpu_backup, sabotage_sync)
+        if placement is None:
+            return [_Local(EngineWorker(*args))]
+        import ray
+
+        return [_Remote(placement.create_actor(ray.remote(EngineWorker), 0, "engine", *args))]
+    from k3.rl import sglang_worker
+
+    if sabotage_sync:
+        raise TrainingError("the broken-sync test hook (K3_TEST_BREAK_ADAPTER_SYNC) is the embedded engine's")
+    if placement is None:
+        engines = [_Local(sglang_worker.start_local_engine(resolved, spec))]
+    else:
+        engines = [_Remote(h) for h in sglang_worker.launch_engines(resolved, placement, spec)]
+    for step in colocate.startup_steps(a.colocate_memory_peak_device, a.offload_rollout_level):
+        _call_all(engines, step.method, list(step.tags))
+    return engines
+
+
+def connect_engines(trainer: Any, engines: list[Any]) -> None:
+    """Open each engine's adapter socket and connect the trainer rank that feeds it (recipe §4.5: the first
+    rank on the engine's GPUs). The trainer handle is one rank, so it feeds one engine."""
+    if len(engines) != 1:
+        raise TrainingError(f"{len(engines)} rollout engines need one adapter sender each (the first trainer "
+                            "rank on each engine's GPUs); the loop starts one trainer rank, which feeds one engine")
+    trainer.call("connect", *engines[0].call("listen"))
+
+
+def _require_sglang(a: Any, in_process: bool) -> None:
+    from k3.rollout.sglang import SGLangUnavailableError, require_sglang
+
+    try:
+        # Under Ray only the workers import SGLang's engine; here it is enough that the package is found.
+        require_sglang(a.sglang_path, import_engine=in_process)
+    except SGLangUnavailableError as e:
+        raise TrainingError(str(e)) from None
 
 
 def _grpo_config(r: ResolvedConfig) -> GRPOConfig:
@@ -382,43 +529,59 @@ def run(resolved: ResolvedConfig, *, in_process: bool | None = None, sabotage_sy
     """Run the loop; returns 0. ``in_process`` skips Ray (tests; default from ``K3_IN_PROCESS``)."""
     a = resolved.args
     if a.backend == "megatron":
-        from k3.megatron.backend import require_cuda
+        from k3.megatron.backend import MegatronBackendUnavailable, require_cuda
 
-        require_cuda()
-    if a.rollout_engine != "embedded":
-        raise TrainingError("--rollout-engine sglang runs on GPU clusters only (make smoke-4layer / "
-                            "acceptance-full); on this machine use --rollout-engine embedded")
+        try:
+            require_cuda()
+        except MegatronBackendUnavailable as e:  # `k3 train` reports a TrainingError as one line, exit 1
+            raise TrainingError(str(e)) from None
+        if resolved.layout.world_size > 1:
+            # MegatronPolicy runs under any TP/EP/PP/DP layout, but the loop starts one trainer process: one
+            # TrainerWorker per rank (torchrun-style env, one sender of the adapter) is the next step.
+            raise TrainingError(f"--backend megatron trains on one rank for now, but this layout has "
+                                f"{resolved.layout.world_size} training ranks: use --model-variant tiny with "
+                                "--num-gpus-per-node 1")
     if a.backend == "torch" and resolved.layout.world_size > 1:
         raise TrainingError(f"the torch backend trains on one rank, but this layout has "
                             f"{resolved.layout.world_size} training ranks: use --backend megatron")
     if in_process is None:
         in_process = os.environ.get("K3_IN_PROCESS") == "1"
+    if a.rollout_engine == "sglang":
+        _require_sglang(a, in_process)  # stops at once, before Ray or any model is started
     # Test hook: an engine that acks every chunk but never activates (keeps serving version 0).
     sabotage_sync = sabotage_sync or os.environ.get("K3_TEST_BREAK_ADAPTER_SYNC") == "1"
     spec = worker_spec(resolved)
+    if a.backend == "megatron":
+        from dataclasses import replace
+
+        lay = resolved.layout
+        spec = replace(spec, backend="megatron", ref_load=a.ref_load,
+                       parallel=(lay.tensor_model_parallel_size, lay.expert_model_parallel_size,
+                                 lay.pipeline_model_parallel_size, lay.context_parallel_size))
     grpo = _grpo_config(resolved)
     max_tokens = resolved.args.max_tokens_per_gpu or 8192
     writer = MetricsWriter(resolved.run_dir, wandb_run=_wandb_run(resolved) if a.enable_wandb else None)
     placement = None
+    engines: list[Any] = []
     t_start = time.time()
     try:
         writer.write("status", None, status="started", run_id=a.run_id)
+        # Engines first: an SGLang engine takes its memory when it starts and must give it up before the
+        # trainer loads (start_engines).
         if in_process:
+            engines = start_engines(resolved, spec, None, sabotage_sync)
             trainer = _Local(TrainerWorker(spec, grpo, max_tokens))
-            engine = _Local(EngineWorker(spec, a.rollout_max_concurrency, a.lora_base_cpu_backup, sabotage_sync))
         else:
             import ray
 
             from k3.launch.placement import RayPlacement
 
             placement = RayPlacement.start(resolved)
+            engines = start_engines(resolved, spec, placement, sabotage_sync)
             trainer = _Remote(placement.create_actor(ray.remote(TrainerWorker), 0, "trainer", spec, grpo,
                                                      max_tokens))
-            engine = _Remote(placement.create_actor(ray.remote(EngineWorker), 0, "engine", spec,
-                                                    a.rollout_max_concurrency, a.lora_base_cpu_backup,
-                                                    sabotage_sync))
-        trainer.call("connect", *engine.call("listen"))
-        loop = Loop(resolved, trainer, engine, writer)
+        connect_engines(trainer, engines)
+        loop = Loop(resolved, trainer, engines, writer)
         start = 0
         ckpt = latest_checkpoint(resolved.run_dir) if a.resume else None
         if ckpt is not None:
@@ -429,7 +592,7 @@ def run(resolved: ResolvedConfig, *, in_process: bool | None = None, sabotage_sy
             start = int(state["rollout_id"]) + 1
             writer.write("status", None, status="resumed", checkpoint=str(ckpt), next_rollout=start)
         # The first sync ships the freshly initialised (or resumed) adapters: version 1.
-        loop.sync(None)
+        loop.first_sync()
         if loop.eval_records and not resolved.rollout.skip_eval_before_train and start == 0:
             loop.evaluate(0)
         interval = a.eval_interval
@@ -447,11 +610,21 @@ def run(resolved: ResolvedConfig, *, in_process: bool | None = None, sabotage_sy
         raise
     finally:
         try:
+            if a.rollout_engine == "sglang":
+                _shutdown_engines(engines)  # SGLang's processes go with their engine, not with its Ray actor
             if placement is not None:
                 placement.shutdown()
         finally:
             writer.close()
 
 
-__all__ = ["Loop", "TrainingError", "latest_checkpoint", "load_checkpoint_state", "prompts_for_rollout",
-           "remove_stale_temp_dirs", "run"]
+def _shutdown_engines(engines: list[Any]) -> None:
+    for engine in engines:
+        try:
+            engine.call("shutdown")
+        except Exception as e:  # noqa: BLE001 - a dead engine is already down; the run's own error matters more
+            print(f"WARNING shutting a rollout engine down failed: {type(e).__name__}: {_last_line(e)}", flush=True)
+
+
+__all__ = ["Loop", "TrainingError", "connect_engines", "latest_checkpoint", "load_checkpoint_state",
+           "prompts_for_rollout", "remove_stale_temp_dirs", "run", "start_engines"]

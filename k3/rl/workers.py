@@ -25,7 +25,9 @@ from k3.rl.policy import PolicyTrainer, Trajectory
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """What both roles need to build their model: the BF16 checkpoint, LoRA shape, device, dtype."""
+    """What both roles need to build their model: the BF16 checkpoint, LoRA shape, device, dtype; and the
+    trainer's backend: ``torch`` (``PolicyTrainer``) or ``megatron`` (``MegatronPolicy``, base weights from the
+    torch_dist ``ref_load`` when set, else ``model_dir``; ``parallel`` = (TP, EP, PP, CP) of the layout)."""
 
     model_dir: str
     lora_rank: int
@@ -35,6 +37,9 @@ class WorkerSpec:
     device: str = "cpu"
     dtype: str = "float32"
     seed: int = 0
+    backend: str = "torch"
+    ref_load: str | None = None
+    parallel: tuple[int, int, int, int] = (1, 1, 1, 1)
 
     def lora_config(self):
         from k3.lora import LoRAConfig
@@ -119,6 +124,14 @@ class EngineWorker:
     def resume_memory(self, tags) -> None:
         self.engine.resume_memory(tags)
 
+    # The loop brackets every sync with these on every engine (recipe §5.4 steps 6-7). The embedded engine
+    # generates only inside generate(), so nothing runs that could be paused: both are no-ops.
+    def pause_generation(self) -> None:
+        pass
+
+    def continue_generation(self) -> None:
+        pass
+
     def shutdown(self) -> None:
         if self._listener is not None:
             self._listener.close()
@@ -135,8 +148,18 @@ class TrainerWorker:
         self.spec = spec
         self.rank = rank
         self.tokenizer = load_tokenizer(spec.model_dir)
-        self.policy = PolicyTrainer(_load_model(spec), pad_id=self.tokenizer.pad_id, grpo=grpo,
-                                    max_tokens_per_micro_batch=max_tokens_per_micro_batch, device=spec.device)
+        self._megatron = spec.backend == "megatron"
+        if self._megatron:
+            from k3.rl.megatron_policy import build_megatron_policy
+
+            self.policy = build_megatron_policy(
+                spec.model_dir, spec.lora_config(), self.tokenizer.pad_id, grpo, max_tokens_per_micro_batch,
+                parallel=spec.parallel, ref_load=spec.ref_load, dtype=spec.torch_dtype(), seed=spec.seed)
+        elif spec.backend == "torch":
+            self.policy = PolicyTrainer(_load_model(spec), pad_id=self.tokenizer.pad_id, grpo=grpo,
+                                        max_tokens_per_micro_batch=max_tokens_per_micro_batch, device=spec.device)
+        else:
+            raise ValueError(f"WorkerSpec.backend={spec.backend!r}: expected 'torch' or 'megatron'")
         self.leak = LeakCheck(device=spec.device)
         self._producer = None
 
@@ -175,7 +198,9 @@ class TrainerWorker:
 
         def counted():
             nonlocal n
-            for chunk in export_chunks(self.policy.model, version, device=self.spec.device):
+            chunks = (self.policy.export_chunks(version, device=self.spec.device) if self._megatron
+                      else export_chunks(self.policy.model, version, device=self.spec.device))
+            for chunk in chunks:
                 n += 1
                 yield chunk
 
@@ -204,17 +229,30 @@ class TrainerWorker:
     def save_adapter(self, directory: str) -> str:
         from k3.lora.export import save_peft_adapter
 
+        if self._megatron:
+            return str(self.policy.save_adapter(directory, base_model_name_or_path=self.spec.model_dir))
         return str(save_peft_adapter(self.policy.model, directory, base_model_name_or_path=self.spec.model_dir))
 
     def load_adapter(self, directory: str) -> None:
         from k3.lora.export import load_peft_adapter
 
-        load_peft_adapter(self.policy.model, directory)
+        if self._megatron:
+            self.policy.load_adapter(directory)
+        else:
+            load_peft_adapter(self.policy.model, directory)
 
     def optimizer_state(self) -> dict[str, Any]:
-        return {"optimizer": self.policy.optimizer.state_dict(), "steps": self.policy.steps}
+        if self._megatron:
+            return self.policy.optimizer_state()
+        return {"backend": "torch", "optimizer": self.policy.optimizer.state_dict(), "steps": self.policy.steps}
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        if self._megatron:
+            self.policy.load_optimizer_state(state)
+            return
+        if state.get("backend", "torch") != "torch":  # untagged states predate the tag: the torch backend's
+            raise ValueError(f"the optimizer state was saved by the {state['backend']} backend; this run trains "
+                             "with --backend torch: resume with the run's backend, or start a new run")
         self.policy.optimizer.load_state_dict(state["optimizer"])
         self.policy.steps = int(state["steps"])
 
@@ -222,4 +260,6 @@ class TrainerWorker:
         if self._producer is not None:
             self._producer.close()
             self._producer = None
+        if self._megatron:
+            self.policy.close()
 

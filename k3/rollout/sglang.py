@@ -37,6 +37,11 @@ memory of an adapter; then a failure changes nothing). Stream errors found befor
 version, flags out of place, a rank above ``max_lora_rank``; in ``whole`` mode every stream error) change
 nothing in either mode.
 
+Chunk by chunk. ``load_adapter`` takes a whole stream; the trainer's hand-off delivers one chunk at a time, so
+:meth:`SGLangEngine.begin_adapter` returns an :class:`AdapterLoad` that takes each chunk as it arrives (``add``)
+and activates the version in ``finish`` — the same calls in the same order (``k3.rl.sglang_worker`` forwards the
+hand-off's chunks this way).
+
 Generation pause. ``load_adapter`` pauses generation itself (mode ``retract``) and continues afterwards — unless
 the caller paused first, in which case the engine stays paused: the recipe continues generation only after
 every trainer rank finished its sync cleanup (§5.4 step 7), so the trainer calls :meth:`SGLangEngine.
@@ -72,6 +77,7 @@ __all__ = [
     "SGLANG_SURFACE",
     "SGLangUse",
     "SGLangEngine",
+    "AdapterLoad",
     "SGLangError",
     "SGLangUnavailableError",
     "BucketEntry",
@@ -83,6 +89,8 @@ __all__ = [
     "sample_from_output",
     "supports_streamed_lora_load",
     "installed_sglang_version",
+    "require_sglang",
+    "FOLLOWER_NONBLOCKING_ENV",
 ]
 
 log = logging.getLogger(__name__)
@@ -95,6 +103,9 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 LOAD_MODES = ("auto", "streamed", "whole")
 STREAMED_LOAD_FIELDS = ("is_first_chunk", "is_last_chunk")
 RETURN_ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
+# "0": an Engine on node_rank >= 1 of a multi-node engine returns once its schedulers are up instead of blocking
+# (those nodes run no tokenizer: they only hold their TP ranks; the head node's Engine drives them).
+FOLLOWER_NONBLOCKING_ENV = "SGLANG_BLOCK_NONZERO_RANK_CHILDREN"
 
 _ENGINE = "sglang/srt/entrypoints/engine.py"
 _TOKENIZER_MANAGER = "sglang/srt/managers/tokenizer_manager.py"
@@ -199,6 +210,23 @@ def _require_sglang() -> None:
     if found is not None and found != SGLANG_VERSION:
         warnings.warn(f"sglang {found} is installed; k3-lora-rl is written and contract-tested against "
                       f"{SGLANG_VERSION}", stacklevel=3)
+
+
+def require_sglang(sglang_path: str | None = None, import_engine: bool = True) -> None:
+    """Make sglang importable here or say how: ``sglang_path`` (a directory holding ``sglang/``, the recipe's
+    ``--sglang-path``) goes first on ``sys.path`` when it has one. ``import_engine`` also imports SGLang's engine
+    (which needs a CUDA torch and sgl-kernel); without it only the package must be found (a driver that starts
+    engines elsewhere). Raises :class:`SGLangUnavailableError` with the install hint."""
+    import sys
+    from pathlib import Path
+
+    if sglang_path and (Path(sglang_path) / "sglang").is_dir() and str(sglang_path) not in sys.path:
+        sys.path.insert(0, str(sglang_path))
+        importlib.invalidate_caches()
+    if import_engine:
+        _require_sglang()
+    elif importlib.util.find_spec("sglang") is None:
+        _require_sglang()  # raises with the install hint
 
 
 def supports_streamed_lora_load(request_fields: Iterable[str]) -> bool:
@@ -691,6 +719,7 @@ class SGLangEngine:
         self._released: set[str] = set()
         self._paused = False
         self._closed = False
+        self._open_load: AdapterLoad | None = None
 
     @classmethod
     def from_resolved(cls, resolved: Any, server_overrides: Mapping[str, Any] | None = None,
@@ -734,29 +763,38 @@ class SGLangEngine:
         weight version to ``str(version)``. No request may still be running on the previous adapter: SGLang's
         unload waits for those to finish (``generate`` here returns only when its requests are done). Raises
         ``AdapterVersionError`` for a malformed stream and :class:`SGLangError` when SGLang refuses a call.
+        The same as :meth:`begin_adapter`, :meth:`AdapterLoad.add` per chunk, :meth:`AdapterLoad.finish`.
         """
+        load = self.begin_adapter(version)
+        try:
+            for chunk in chunks:
+                load.add(chunk)
+            load.finish()
+        except Exception as e:
+            if load.is_open:  # the chunk iterator itself failed
+                raise load.abort(e) from e
+            raise
+        finally:
+            if load.is_open:  # interrupted (KeyboardInterrupt): never leave the engine paused on a partial version
+                load.abort(EngineStateError(f"loading adapter version {version} was interrupted"))
+
+    def begin_adapter(self, version: int) -> AdapterLoad:
+        """Start loading adapter ``version`` chunk by chunk, as the chunks arrive (the trainer's hand-off forwards
+        each one on receipt). Pauses generation (unless the caller did) and flushes the cache now; returns the
+        :class:`AdapterLoad` to ``add`` the chunks to and ``finish``. One load at a time."""
         self._check_open()
         if isinstance(version, bool) or not isinstance(version, int) or version < 1:
             raise AdapterVersionError(f"adapter version {version!r}: expected an integer >= 1")
+        if self._open_load is not None:
+            raise EngineStateError(f"adapter version {version}: version {self._open_load.version} is still being "
+                                   "loaded (finish or abort it first)")
         if version <= self._version:
             raise AdapterVersionError(f"adapter version {version} is not newer than the active version "
                                       f"{self._version}")
         if "weights" in self._released:
             raise EngineStateError("load_adapter() while the engine's weights are released: resume_memory(['weights'])"
                                    " first (the recipe onloads the engine's weights before update_weights)")
-        stream = _VersionStream(version, self._max_rank, self._served_targets)
-        paused_here = not self._paused
-        self.pause_generation()
-        try:
-            self._backend.flush_cache()
-            if self.load_mode == "streamed":
-                self._load_streamed(chunks, stream)
-            else:
-                self._load_whole(chunks, stream)
-        finally:
-            self._backend.ipc_collect()
-            if paused_here:
-                self.continue_generation()
+        return AdapterLoad(self, version)
 
     def _name_for(self, version: int) -> str:
         return f"{self.lora_name}_v{version}" if self.atomic_swap else self.lora_name
@@ -767,48 +805,6 @@ class SGLangEngine:
             # From here on the engine serves the base model; a failure later leaves it so.
             self._version = 0
             self._backend.unload_lora(name)
-
-    def _load_whole(self, chunks: Iterable[Any], stream: _VersionStream) -> None:
-        named: list[tuple[str, torch.Tensor]] = []
-        for chunk in chunks:
-            stream.accept(chunk)
-            named.extend(chunk.tensors)
-        stream.finish()
-        assert stream.config is not None
-        flat, entries = build_lora_payload(named)
-        checksums = _tensor_checksums(named) if self.verify_checksums else None
-        del named
-        old, name = self._loaded, self._name_for(stream.version)
-        sent = False
-        try:
-            if not self.atomic_swap:
-                self._unload_current()
-            sent = True  # a failed load may leave part of the adapter behind in SGLang
-            self._backend.load_lora_bucket(name, stream.config, flat, entries, None, checksums)
-            self._backend.update_weight_version(str(stream.version))
-        except Exception as e:
-            raise self._failed(e, stream.version, name, sent=sent) from e
-        self._activate(name, stream.version, old)
-
-    def _load_streamed(self, chunks: Iterable[Any], stream: _VersionStream) -> None:
-        old, name = self._loaded, self._name_for(stream.version)
-        sent = False
-        try:
-            for chunk in chunks:
-                stream.accept(chunk)
-                if stream.count == 1 and not self.atomic_swap:
-                    self._unload_current()
-                flat, entries = build_lora_payload(chunk)
-                checksums = _tensor_checksums(chunk.tensors) if self.verify_checksums else None
-                sent = True  # from the first attempt on, SGLang may hold part of this version
-                self._backend.load_lora_bucket(name, stream.config, flat, entries, (chunk.is_first, chunk.is_last),
-                                               checksums)
-                del flat
-            stream.finish()
-            self._backend.update_weight_version(str(stream.version))
-        except Exception as e:
-            raise self._failed(e, stream.version, name, sent=sent) from e
-        self._activate(name, stream.version, old)
 
     def _activate(self, name: str, version: int, old: str | None) -> None:
         self._loaded, self._version = name, version
@@ -904,3 +900,106 @@ class SGLangEngine:
     def _check_open(self) -> None:
         if self._closed:
             raise EngineStateError("the SGLang engine was shut down")
+
+
+class AdapterLoad:
+    """One adapter version going into SGLang chunk by chunk (:meth:`SGLangEngine.begin_adapter`).
+
+    ``add(chunk)`` for every chunk in stream order, then ``finish()``. In ``streamed`` mode each chunk goes out at
+    once as one flattened bucket with its first/last flags (the first also unloads the previous version, unless
+    ``atomic_swap``); in ``whole`` mode the chunks are checked as they arrive and sent as one bucket by
+    ``finish``, which also sets SGLang's weight version. A version becomes active only in ``finish``, after its
+    last chunk: an error anywhere (or :meth:`abort`) unloads what SGLang received of it, resumes generation if
+    this load paused it, and the error raised says which adapter the engine serves now. A load that failed or
+    finished is closed; using it again raises ``EngineStateError``.
+    """
+
+    def __init__(self, engine: SGLangEngine, version: int) -> None:
+        self._engine = engine
+        self.version = version
+        self._stream = _VersionStream(version, engine._max_rank, engine._served_targets)
+        self._name = engine._name_for(version)
+        self._old = engine._loaded
+        self._named: list[tuple[str, torch.Tensor]] = []  # whole mode: the version's tensors until finish()
+        self._sent = False  # from the first send on, SGLang may hold part of this version
+        self._paused_here = not engine.is_paused
+        self.is_open = True
+        engine._open_load = self
+        engine.pause_generation()
+        try:
+            engine._backend.flush_cache()
+        except Exception as e:
+            raise self.abort(e) from e
+
+    @property
+    def chunks(self) -> int:
+        """How many chunks were accepted so far."""
+        return self._stream.count
+
+    def add(self, chunk: Any) -> None:
+        """Check ``chunk`` against the stream and (``streamed``) send it to SGLang now."""
+        self._check_open()
+        engine = self._engine
+        try:
+            self._stream.accept(chunk)
+            if engine.load_mode == "whole":
+                self._named.extend(chunk.tensors)
+                return
+            if self._stream.count == 1 and not engine.atomic_swap:
+                engine._unload_current()
+            flat, entries = build_lora_payload(chunk)
+            checksums = _tensor_checksums(chunk.tensors) if engine.verify_checksums else None
+            self._sent = True
+            engine._backend.load_lora_bucket(self._name, self._stream.config, flat, entries,
+                                             (bool(chunk.is_first), bool(chunk.is_last)), checksums)
+            del flat
+        except Exception as e:
+            raise self.abort(e) from e
+
+    def finish(self) -> None:
+        """The stream ended: check it was complete, send it (``whole``), set the weight version, activate."""
+        self._check_open()
+        engine = self._engine
+        try:
+            self._stream.finish()
+            if engine.load_mode == "whole":
+                flat, entries = build_lora_payload(self._named)
+                checksums = _tensor_checksums(self._named) if engine.verify_checksums else None
+                self._named = []
+                if not engine.atomic_swap:
+                    engine._unload_current()
+                self._sent = True
+                engine._backend.load_lora_bucket(self._name, self._stream.config, flat, entries, None, checksums)
+                del flat
+            engine._backend.update_weight_version(str(self.version))
+        except Exception as e:
+            raise self.abort(e) from e
+        try:
+            engine._activate(self._name, self.version, self._old)
+        finally:
+            self._close()
+
+    def abort(self, error: Exception) -> Exception:
+        """Give the version up: unload what SGLang holds of it, close the load; returns the error to raise (its
+        message says which adapter the engine serves now). On a closed load it returns ``error`` as it is."""
+        if not self.is_open:
+            return error
+        self._named = []
+        try:
+            return self._engine._failed(error, self.version, self._name, sent=self._sent)
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        self.is_open = False
+        self._engine._open_load = None
+        try:
+            self._engine._backend.ipc_collect()
+        finally:
+            if self._paused_here:
+                self._engine.continue_generation()
+
+    def _check_open(self) -> None:
+        if not self.is_open:
+            raise EngineStateError(f"adapter version {self.version}: this load is closed (finished or failed); "
+                                   "begin a new one")

@@ -4,6 +4,9 @@
 * ``sglang``: ``k3.rollout.sglang.SGLangEngine`` — needs sglang importable with CUDA and ``K3_SGLANG_CHECKPOINT``
   (a BF16 K3 HF checkpoint SGLang can serve, e.g. the 4layer one; ``K3_SGLANG_TP`` GPUs, default all visible up
   to 8). Skipped with the reason otherwise.
+* ``fake-sglang``: the same ``SGLangEngine`` and its real SGLang binding, on the test-only ``sglang`` of
+  ``tests/fake_sglang`` (SGLang's signatures, the tiny K3 behind them) — always runs on CPU, so the binding
+  passes the suite before it meets a GPU.
 
 Each test is self-contained (versions count up from whatever the engine holds), so the order and the
 distribution over workers do not matter. Adapters are built from the checkpoint's config alone
@@ -76,6 +79,37 @@ def _embedded() -> Rig:
     return Rig(EmbeddedEngine(model, tok, max_concurrency=2), _chunks_for(cfg, lora), {tok.eos_id})
 
 
+def _fake_sglang(tmp: Path) -> Rig:
+    import sys
+
+    from k3.model import KimiK3ForCausalLM
+    from k3.rollout.sglang import SGLangEngine, build_server_args
+    from k3.tokenizer import ByteTokenizer
+
+    if importlib.util.find_spec("sglang") is not None:
+        pytest.skip("a real sglang is installed here: the fake would shadow it")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fake_sglang"))
+    torch.manual_seed(0)
+    cfg = variant("tiny")
+    KimiK3ForCausalLM(cfg.replace(quantization_config=None)).save_pretrained(tmp / "base")
+    lora = LoRAConfig(rank=RANK, alpha=2 * RANK)
+    args = build_server_args({"hf_checkpoint": str(tmp / "base"), "model_variant": "tiny",
+                              "rollout_num_gpus_per_engine": 1, "lora_rank": RANK,
+                              "target_modules": list(TARGET_MODULES), "sglang_max_running_requests": 2})
+    tok = ByteTokenizer()
+    return Rig(SGLangEngine(args, tokenizer=tok), _chunks_for(cfg, lora), {tok.eos_id})
+
+
+def _drop_fake_sglang() -> None:
+    import sys
+
+    fake = str(Path(__file__).resolve().parents[1] / "fake_sglang")
+    if fake in sys.path:
+        sys.path.remove(fake)
+    for name in [m for m in sys.modules if m == "sglang" or m.startswith("sglang.")]:
+        del sys.modules[name]
+
+
 def _sglang() -> Rig:
     if importlib.util.find_spec("sglang") is None:
         pytest.skip("sglang is not installed (pip install 'k3-lora-rl[cluster]' on a CUDA machine)")
@@ -101,11 +135,20 @@ def _sglang() -> Rig:
     return Rig(SGLangEngine(args, tokenizer=tok), _chunks_for(cfg, lora), {tok.eos_id})
 
 
-@pytest.fixture(scope="module", params=["embedded", "sglang"])
-def rig(request):
-    r = _embedded() if request.param == "embedded" else _sglang()
+@pytest.fixture(scope="module", params=["embedded", "fake-sglang", "sglang"])
+def rig(request, tmp_path_factory):
+    if request.param == "fake-sglang":
+        try:
+            r = _fake_sglang(tmp_path_factory.mktemp("fake_sglang"))
+        except BaseException:
+            _drop_fake_sglang()
+            raise
+    else:
+        r = _embedded() if request.param == "embedded" else _sglang()
     yield r
     r.engine.shutdown()
+    if request.param == "fake-sglang":
+        _drop_fake_sglang()
 
 
 def requests() -> list[GenerateRequest]:

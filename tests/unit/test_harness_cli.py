@@ -202,7 +202,7 @@ def test_acceptance_full_submits_watches_kills_and_reports(tmp_path):
     run_dir, calls, stopped = tmp_path / "run", tmp_path / "calls", tmp_path / "stopped"
     env = {**os.environ, "RAY_ADDRESS": "http://head:8265", "BIN": str(bin_dir), "K3_RUN_DIR": str(run_dir),
            "K3_RUN_ID": "acc-1", "K3_HF_CHECKPOINT": "/ckpt/native", "K3_REF_LOAD": "/ckpt/dcp",
-           "K3_DATA_DIR": "/data", "K3_WATCH_POLL": "0.2", "K3_WATCH_TIMEOUT": "60",
+           "K3_DATA_DIR": "/data", "K3_REMOTE_PATHS": "1", "K3_WATCH_POLL": "0.2", "K3_WATCH_TIMEOUT": "60",
            "FAKE_RAY_CALLS": str(calls), "FAKE_RAY_STOPPED": str(stopped), "FAKE_PYTHON": sys.executable,
            "FIXTURES": str(REPO / "tests" / "fixtures"), "PYTHONPATH": str(REPO)}
     env.pop("GITHUB_STEP_SUMMARY", None)

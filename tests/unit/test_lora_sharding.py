@@ -23,7 +23,8 @@ def test_rule_table_is_the_recipes():
     assert split == {"o_lora_A": (1, "tp"), "fc1_lora_B": (0, "tp"), "fc2_lora_A": (1, "tp"),
                      "w1_lora_B": (0, "ep"), "w3_lora_B": (0, "ep"), "w2_lora_A": (0, "ep")}
     sums = {f: grad_sum_group(f, L) for f in FACTORS if grad_sum_group(f, L)}
-    assert sums == {"fc1_lora_A": "tp", "fc2_lora_B": "tp", "w1_lora_A": "ep", "w3_lora_A": "ep", "w2_lora_B": "ep"}
+    assert sums == {"fc1_lora_A": "tp", "fc2_lora_B": "tp", "w1_lora_A": "ep", "w3_lora_A": "ep", "w2_lora_B": "ep",
+                    "q_a_lora_A": "tp", "q_a_lora_B": "tp", "kv_a_lora_A": "tp", "kv_a_lora_B": "tp"}
     assert grad_sum_group("fc2_lora_B", ParallelLayout(tp=4)) is None  # only with sequence parallelism
     assert factor_rule("fc1_lora_B").halves
 
@@ -117,6 +118,38 @@ def test_fc1_A_gradient_is_summed_over_tp():
     torch.testing.assert_close(sum(rank_A), gA)
     assert not torch.allclose(rank_A[0], gA)  # one rank alone is wrong: the sum is needed
     torch.testing.assert_close(gather(rank_B, "fc1_lora_B"), gB)  # B: local grads are the full grad's shards
+
+
+@pytest.mark.parametrize("prefix", ["q_a", "kv_a"])
+def test_q_a_and_kv_a_gradients_are_summed_over_tp(prefix):
+    """MLA's duplicated q_a (kv_a alike): every TP rank holds the whole W_a and its adapter, the output goes
+    through the (replicated) norm into the column-parallel q_b, whose rows t feed the row-parallel o_proj's
+    columns t. Each rank back-propagates only its q_b rows' part of the gradient, so A's and B's gradients are
+    per-rank shares: summed over TP they are the full gradients, one rank alone is not."""
+    torch.manual_seed(4)
+    N, H, Q, P, r, tp = 6, 10, 8, 12, 3, 4
+    x, cot = torch.randn(N, H), torch.randn(N, H)
+    Wa, Wb, Wo, norm_w = torch.randn(Q, H), torch.randn(P, Q), torch.randn(H, P), torch.rand(Q) + 0.5
+    A, B = torch.randn(r, H, requires_grad=True), torch.randn(Q, r, requires_grad=True)
+
+    def attn(A, B, Wb, Wo):
+        q = x @ Wa.T + (x @ A.T) @ B.T  # the duplicated q_a with its adapter
+        q = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_w
+        return (q @ Wb.T) @ Wo.T  # column-parallel q_b, then (after attention) row-parallel o_proj
+
+    gA, gB = _grads((attn(A, B, Wb, Wo) * cot).sum(), [A, B])
+    rank_A, rank_B = [], []
+    for t in range(tp):
+        At, Bt = A.detach().clone().requires_grad_(), B.detach().clone().requires_grad_()
+        rows = slice(t * P // tp, (t + 1) * P // tp)
+        a, b = _grads((attn(At, Bt, Wb[rows], Wo[:, rows]) * cot).sum(), [At, Bt])  # o_proj's all-reduce sums
+        rank_A.append(a), rank_B.append(b)
+    torch.testing.assert_close(sum(rank_A), gA)
+    torch.testing.assert_close(sum(rank_B), gB)
+    assert not torch.allclose(rank_A[0], gA) and not torch.allclose(rank_B[0], gB)
+    layout = ParallelLayout(tp=tp)
+    assert grad_sum_group(f"{prefix}_lora_A", layout) == grad_sum_group(f"{prefix}_lora_B", layout) == "tp"
+    assert factor_rule(f"{prefix}_lora_A").replicated and factor_rule(f"{prefix}_lora_B").replicated
 
 
 @pytest.mark.parametrize("sp", [True, False])

@@ -456,6 +456,11 @@ SERVER_ARG_CASES = {
                        {"dist_init_addr": "10.0.0.1:5000", "node_rank": 0}),
     "full-tp8": (("--mode normal --model-variant full --num-nodes 16 --num-gpus-per-node 4 --rollout-tp-size 8 "
                   "--rollout-ep-size 8 --rollout-engine sglang --run-id w"), {"dist_init_addr": "h:1", "node_rank": 1}),
+    # What k3.rl.sglang_worker adds per node: the head's address, the node's rank, GPUs counted from its own.
+    "full-validated-follower": (("--mode normal --model-variant full --num-nodes 16 --num-gpus-per-node 4 "
+                                 "--pipeline-parallel-size 8 --context-parallel-size 2 --rollout-tp-size 16 "
+                                 "--rollout-engine sglang --run-id f"),
+                                {"dist_init_addr": "10.0.1.8:30200", "node_rank": 3, "base_gpu_id": 0}),
 }
 
 
@@ -521,6 +526,12 @@ def test_memory_tags_are_sglangs(src):
               for name in sgl.SGLANG_MEMORY_TAG_CONSTANTS}
     assert values == sgl.SGLANG_MEMORY_TAG_CONSTANTS
     assert set(values.values()) == set(MEMORY_TAGS)
+
+
+def test_the_follower_switch_exists(src):
+    """Our follower workers (node_rank >= 1 of a multi-node engine) set it so Engine() returns once ready."""
+    strings = {n.value for n in ast.walk(src.tree(sgl._ENGINE)) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    assert sgl.FOLLOWER_NONBLOCKING_ENV in strings
 
 
 def test_the_original_logprob_switch_exists(src):

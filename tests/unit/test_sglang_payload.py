@@ -600,3 +600,94 @@ def test_without_sglang_the_engine_says_how_to_install_it():
     assert CLUSTER_INSTALL_HINT in str(e.value) and "0.5.23" in str(e.value)
     with pytest.raises(SGLangUnavailableError):
         SGLangEngine.from_resolved(resolved(FOUR_LAYER))
+
+
+# ============================================================================ chunk-by-chunk loading (the hand-off's path)
+def test_chunk_by_chunk_loading_sends_each_chunk_on_arrival():
+    b = RecordingBackend(streamed=True)
+    e = engine(b)
+    e.load_adapter(version_chunks(1), 1)
+    b.calls.clear()
+    chunks = version_chunks(2)
+    load = e.begin_adapter(2)
+    assert b.calls == [("pause", "retract"), ("flush",)] and e.is_paused
+    load.add(chunks[0])
+    assert b.calls[2:] == [("unload", LORA_NAME), ("load", LORA_NAME, (True, False), False)]
+    assert e.adapter_version() == 0  # the old version went first; the new one is not active yet
+    with pytest.raises(EngineStateError, match="paused"):
+        e.generate([GenerateRequest([1])], SamplingParams())
+    with pytest.raises(EngineStateError, match="version 2 is still being loaded"):
+        e.begin_adapter(3)
+    load.add(chunks[1])
+    load.add(chunks[2])
+    assert ("weight_version", "2") not in b.calls  # announced only once the version is complete
+    load.finish()
+    assert b.calls[-2:] == [("weight_version", "2"), ("continue",)] and e.adapter_version() == 2
+    assert load.chunks == 3 and not load.is_open
+    with pytest.raises(EngineStateError, match="this load is closed"):
+        load.add(chunks[0])
+
+    # The same calls as load_adapter of the whole stream.
+    b2 = RecordingBackend(streamed=True)
+    e2 = engine(b2)
+    e2.load_adapter(version_chunks(1), 1)
+    e2.load_adapter(version_chunks(2), 2)
+    b3 = RecordingBackend(streamed=True)
+    e3 = engine(b3)
+    for v in (1, 2):
+        load = e3.begin_adapter(v)
+        for c in version_chunks(v):
+            load.add(c)
+        load.finish()
+    assert b2.calls == b3.calls
+
+
+def test_whole_mode_chunk_by_chunk_sends_nothing_before_finish():
+    b = RecordingBackend(streamed=False)
+    e = engine(b)
+    load = e.begin_adapter(1)
+    for c in version_chunks(1):
+        load.add(c)
+    assert [c for c in b.calls if c[0] in ("load", "unload", "weight_version")] == []
+    load.finish()
+    assert b.calls[2:] == [("load", LORA_NAME, None, False), ("weight_version", "1"), ("continue",)]
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_an_aborted_version_is_dropped_and_never_active(streamed):
+    b = RecordingBackend(streamed=streamed)
+    e = engine(b)
+    e.load_adapter(version_chunks(1), 1)
+    b.calls.clear()
+    load = e.begin_adapter(2)
+    load.add(version_chunks(2)[0])
+    error = load.abort(AdapterVersionError("the hand-off lost chunk 1"))
+    assert isinstance(error, AdapterVersionError)
+    if streamed:  # the old version went before the first chunk; the partial new one is unloaded again
+        assert "the hand-off lost chunk 1; the engine now serves the base model" in str(error)
+        assert [c for c in b.calls if c[0] in ("load", "unload", "weight_version")] == [
+            ("unload", LORA_NAME), ("load", LORA_NAME, (True, False), False), ("unload", LORA_NAME),
+            ("weight_version", "0")]
+        assert e.adapter_version() == 0
+    else:  # nothing was sent: the engine still serves version 1
+        assert "the engine still serves version 1" in str(error)
+        assert [c for c in b.calls if c[0] in ("load", "unload", "weight_version")] == []
+        assert e.adapter_version() == 1
+    assert not e.is_paused and b.calls[-1] == ("continue",)
+    assert load.abort(error) is error  # aborting a closed load changes nothing
+    with pytest.raises(EngineStateError, match="closed"):
+        load.finish()
+    e.load_adapter(version_chunks(2), 2)
+    assert e.adapter_version() == 2
+
+
+def test_begin_adapter_checks_like_load_adapter():
+    e = engine(RecordingBackend())
+    e.load_adapter(version_chunks(2), 2)
+    for bad, message in [(2, "not newer"), (True, "integer"), (0, "integer")]:
+        with pytest.raises(AdapterVersionError, match=message):
+            e.begin_adapter(bad)
+    e.release_memory(["weights"])
+    with pytest.raises(EngineStateError, match="weights are released"):
+        e.begin_adapter(3)
+    assert not e.is_paused

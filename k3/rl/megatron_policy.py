@@ -1,0 +1,357 @@
+"""The trainer's side of GRPO on the megatron backend, with the interface of ``k3.rl.policy.PolicyTrainer``.
+
+``MegatronPolicy`` holds this rank's ``MegatronLoRATrainer`` (``k3.megatron.training``) and gives the loop what
+the torch ``PolicyTrainer`` gives it:
+
+- ``log_probs(trajs)``: per-token log-probs of each response (the forward of ``MegatronLoRATrainer.forward``);
+- ``train_step(trajs)``: one optimizer step on a global batch with the GRPO loss of ``k3.rl.grpo.policy_loss``
+  (asymmetric PPO-clip on the old log-probs and per-sample advantages), token-mean over every response token
+  of the global batch: each micro-batch's share is its token sum divided by the global count, so the sum of the
+  shares over micro-batches and data-parallel ranks is that mean;
+- ``export_chunks(version)``: the adapters in the exact HF/PEFT-named chunk layout of
+  ``k3.lora.export.chunk_layout`` (names via ``k3.checkpoint.names``), BF16, so the engine's ``AdapterReceiver``
+  accepts them; ``save_adapter``/``load_adapter`` in PEFT files (the torch backend's files: either backend reads
+  the other's); ``optimizer_state``/``load_optimizer_state``.
+
+Batches: a trajectory is ``prompt_ids + response_ids``; response token ``j`` is predicted at position
+``len(prompt) + j - 1``. Every micro-batch of a call has one shape ``[rows, seq]`` (megatron's schedule and
+expert all-to-all need the same micro-batch count and shape on every rank): ``seq`` is the longest trajectory
+minus one, rounded up to a multiple of TP (sequence parallelism splits it), times 2·CP under context
+parallelism (the trainer hands each CP rank two of 2·CP chunks of every sequence); ``rows`` fits
+``max_tokens_per_micro_batch``; rows past the end are padding with an empty loss mask. Data-parallel rank ``d``
+takes trajectories ``d, d + DP, …`` of the global batch.
+
+Layout: ``parallel = (TP, EP, PP, CP)`` from the resolved launcher layout; the policy runs under TP, EP (with
+DP) and CP (tests/parity/test_megatron_policy.py: equal to one rank), but the loop starts one trainer process
+only (see ``k3.rl.loop``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from k3.checkpoint.names import hf_lora_to_megatron, megatron_lora_to_hf
+from k3.config import K3Config
+from k3.lora.config import LoRAConfig, LoRAConfigError
+from k3.lora.export import (ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, PEFT_PREFIX, AdapterChunk, ChunkSpec,
+                            ExportError, chunk_layout)
+from k3.rl.grpo import GRPOConfig, policy_loss
+from k3.rl.policy import Trajectory
+
+__all__ = ["BACKEND", "MegatronPolicy", "build_megatron_policy"]
+
+BACKEND = "megatron"  # tag of the optimizer state: a torch-backend state cannot be loaded here, and back
+
+
+def _parallel_sizes(tp: int, ep: int, pp: int, cp: int):
+    from k3.megatron.config import ParallelSizes
+
+    return ParallelSizes(tp=tp, ep=ep, pp=pp, cp=cp)
+
+
+def build_megatron_policy(
+    model_dir: str | Path,
+    lora: LoRAConfig,
+    pad_id: int,
+    grpo: GRPOConfig | None = None,
+    max_tokens_per_micro_batch: int = 8192,
+    *,
+    parallel: tuple[int, int, int, int] = (1, 1, 1, 1),
+    ref_load: str | Path | None = None,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> MegatronPolicy:
+    """Join the process group, create megatron's TP/EP/PP groups for ``parallel`` = (TP, EP, PP, CP) and build
+    this rank's policy: the K3 config of the BF16 HF checkpoint ``model_dir`` (the engine's), base weights from
+    the torch_dist checkpoint ``ref_load`` when given (``load_dist``, any source layout) or else from
+    ``model_dir`` (``load_hf_checkpoint``), adapters seeded by ``seed``, megatron's Adam with ``grpo``'s
+    settings (default ``GRPOConfig()``, the recipe's). On CUDA the model goes to the current device
+    (``init_parallel`` sets it from ``LOCAL_RANK``)."""
+    from k3.checkpoint.hf_io import CheckpointError
+    from k3.megatron.checkpoint import load_dist, load_hf_checkpoint, read_dist_config
+    from k3.megatron.config import k3_transformer_config
+    from k3.megatron.parallel import init_parallel
+    from k3.megatron.training import build_lora_trainer
+
+    grpo = GRPOConfig() if grpo is None else grpo
+    cfg = K3Config.from_json(model_dir)
+    if cfg.is_quantized:
+        raise CheckpointError(f"{model_dir}: is the native MXFP4 checkpoint; the trainer needs the BF16 one "
+                              f"(k3 convert mxfp4-to-bf16 --model-dir {model_dir} --save-dir <BF16_DIR>)")
+    if ref_load is not None:
+        stored = read_dist_config(ref_load)
+        if stored.replace(quantization_config=None).to_hf_dict() != cfg.to_hf_dict():
+            raise CheckpointError(f"--ref-load {ref_load} holds a different model than --hf-checkpoint "
+                                  f"{model_dir} (their configs differ): convert the engine's checkpoint with "
+                                  f"k3 convert hf-to-dist --hf-checkpoint {model_dir} --save DCP")
+    sizes = _parallel_sizes(*parallel)
+    config = k3_transformer_config(cfg, sizes, params_dtype=dtype, perform_initialization=False)  # validates
+    init_parallel(sizes, seed=seed)
+
+    def load_base(model: torch.nn.Module) -> None:
+        if ref_load is not None:
+            load_dist(model, ref_load)
+        else:
+            load_hf_checkpoint(model, model_dir, cfg)
+
+    trainer = build_lora_trainer(config, lora, load_base, lr=grpo.lr, clip_grad=grpo.clip_grad,
+                                 weight_decay=grpo.weight_decay, betas=grpo.betas, adam_eps=grpo.adam_eps,
+                                 lora_seed=seed)
+    return MegatronPolicy(trainer, cfg, lora, pad_id=pad_id, grpo=grpo,
+                          max_tokens_per_micro_batch=max_tokens_per_micro_batch, parallel=parallel)
+
+
+class MegatronPolicy:
+    """GRPO on a megatron K3 stage with LoRA (see the module docstring). Built by ``build_megatron_policy``."""
+
+    def __init__(self, trainer, cfg: K3Config, lora: LoRAConfig, pad_id: int, grpo: GRPOConfig | None = None,
+                 max_tokens_per_micro_batch: int = 8192, parallel: tuple[int, int, int, int] = (1, 1, 1, 1)) -> None:
+        from megatron.core import parallel_state
+
+        if max_tokens_per_micro_batch < 1:
+            raise ValueError(f"max_tokens_per_micro_batch={max_tokens_per_micro_batch}: must be >= 1")
+        self.trainer = trainer
+        self.model = trainer.model[0].module  # the GPTModel under megatron's DDP
+        self.cfg, self.lora, self.pad_id = cfg, lora, pad_id
+        self.grpo = GRPOConfig() if grpo is None else grpo
+        self.max_tokens = max_tokens_per_micro_batch
+        self.parallel = tuple(parallel)
+        tp, cp = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_context_parallel_world_size()
+        # sequence lengths: CP cuts 2·CP chunks, and each rank's tokens are split again over TP (SP)
+        self.seq_unit = tp * (2 * cp if cp > 1 else 1)
+        self.dp = parallel_state.get_data_parallel_world_size()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self._dp_group = parallel_state.get_data_parallel_group()
+        self.steps = 0
+
+    # -- batches
+    def _pack(self, trajs: Sequence[Trajectory], with_targets: bool):
+        """This rank's micro-batches of the global batch ``trajs`` and, per micro-batch, the index in ``trajs``
+        of each row (-1: a padding row)."""
+        from k3.megatron.training import MicroBatch
+
+        longest = max(len(t.prompt_ids) + len(t.response_ids) for t in trajs) - 1
+        seq = max(1, math.ceil(longest / self.seq_unit)) * self.seq_unit
+        mine = list(range(self.dp_rank, len(trajs), self.dp))
+        per_rank = math.ceil(len(trajs) / self.dp)  # the same on every rank: equal micro-batch counts
+        n_mb = math.ceil(per_rank / max(1, self.max_tokens // seq))
+        rows = math.ceil(per_rank / n_mb)  # balanced: padding rows only in the last micro-batch
+        mine += [-1] * (n_mb * rows - len(mine))
+        batches, index = [], []
+        for k in range(n_mb):
+            idx = mine[k * rows:(k + 1) * rows]
+            ids = torch.full((rows, seq + 1), self.pad_id, dtype=torch.long)
+            mask = torch.zeros((rows, seq), dtype=torch.float32)
+            old = torch.zeros((rows, seq), dtype=torch.float32)
+            adv = torch.zeros(rows, dtype=torch.float32)
+            for r, i in enumerate(idx):
+                if i < 0:
+                    continue
+                t = trajs[i]
+                ids[r, :len(t.prompt_ids) + len(t.response_ids)] = torch.tensor(t.prompt_ids + t.response_ids)
+                p, n = len(t.prompt_ids), len(t.response_ids)
+                mask[r, p - 1:p - 1 + n] = 1.0
+                if with_targets:
+                    old[r, p - 1:p - 1 + n] = torch.tensor(t.old_log_probs, dtype=torch.float32)
+                    adv[r] = t.advantage
+            extra = {"old_log_probs": old, "advantages": adv} if with_targets else {}
+            batches.append(MicroBatch(ids[:, :-1].contiguous(), ids[:, 1:].contiguous(), mask, extra))
+            index.append(idx)
+        return batches, index
+
+    def _gather_dp(self, mine: dict[int, Any]) -> dict[int, Any]:
+        if self.dp == 1:
+            return mine
+        parts: list[dict | None] = [None] * self.dp
+        dist.all_gather_object(parts, mine, group=self._dp_group)
+        return {k: v for part in parts for k, v in part.items()}
+
+    # -- GRPO
+    def log_probs(self, trajs: Sequence[Trajectory]) -> list[list[float]]:
+        """Per-token log-probabilities of each trajectory's response under the current policy (nats)."""
+        if not trajs:
+            return []
+        batches, index = self._pack(trajs, with_targets=False)
+        outs = self.trainer.forward(batches)
+        mine: dict[int, list[float]] = {}
+        for mb, out, idx in zip(batches, outs, index):
+            logp = out.log_probs.float().cpu()
+            for r, i in enumerate(idx):
+                if i >= 0:
+                    mine[i] = logp[r][mb.loss_mask[r].bool()].tolist()
+        got = self._gather_dp(mine)
+        return [got[i] for i in range(len(trajs))]
+
+    def train_step(self, trajs: Sequence[Trajectory]) -> dict[str, float]:
+        """One optimizer step over ``trajs`` (a global batch): token-mean PPO-clip loss over all its response
+        tokens, gradients accumulated over micro-batches, global-norm clipping, AdamW on the LoRA factors.
+        Returns the torch backend's ``train/*`` metrics."""
+        if not trajs:
+            raise ValueError("train_step needs at least one trajectory")
+        for t in trajs:
+            if t.old_log_probs is None or len(t.old_log_probs) != len(t.response_ids):
+                raise ValueError("every trajectory needs old_log_probs, one per response token")
+        num_tokens = sum(len(t.response_ids) for t in trajs)
+        g = self.grpo
+
+        def grpo_loss(mb, out, ctx):
+            mask = mb.loss_mask.bool()
+            pl = policy_loss(out.log_probs, mb.extra["old_log_probs"], mb.extra["advantages"], mask,
+                             eps_clip=g.eps_clip, eps_clip_high=g.eps_clip_high, num_tokens=num_tokens)
+            entropy = (out.entropy * mb.loss_mask).sum() / num_tokens
+            return pl.loss, {"pg_clipfrac": pl.pg_clipfrac, "ppo_kl": pl.ppo_kl, "entropy": entropy}
+
+        batches, _ = self._pack(trajs, with_targets=True)
+        try:
+            stats = self.trainer.step(batches, grpo_loss, with_entropy=True)
+        except FloatingPointError as e:
+            raise FloatingPointError(f"{e} (step {self.steps})") from None
+        self.steps += 1
+        return {
+            "train/loss": stats["loss"],
+            "train/pg_clipfrac": stats["pg_clipfrac"],
+            "train/ppo_kl": stats["ppo_kl"],
+            "train/entropy": stats["entropy"],
+            "train/grad_norm": stats["grad_norm"],
+            "train/num_tokens": float(num_tokens),
+        }
+
+    # -- adapters
+    def _hf_adapter(self) -> tuple[list[ChunkSpec], dict[str, torch.Tensor]]:
+        """The whole adapter by PEFT name (``language_model.model.layers.…``; collective over TP/EP/PP), checked
+        against ``chunk_layout``: exactly its names, each with its shape, or ``ExportError``."""
+        from megatron.core import parallel_state
+
+        from k3.megatron.lora import gather_lora
+
+        state = gather_lora(self.model)
+        pp_group = parallel_state.get_pipeline_model_parallel_group()
+        if dist.get_world_size(pp_group) > 1:  # each stage holds its own layers' factors
+            parts: list[dict | None] = [None] * dist.get_world_size(pp_group)
+            dist.all_gather_object(parts, {k: v.cpu() for k, v in state.items()}, group=pp_group)
+            state = {k: v for part in parts for k, v in part.items()}
+        hf = megatron_lora_to_hf(state, self.cfg)
+        layout = chunk_layout(self.cfg, self.lora)
+        shapes = {name: shape for spec in layout for name, shape in spec.tensors}
+        missing, unexpected = sorted(set(shapes) - set(hf)), sorted(set(hf) - set(shapes))
+        wrong = [f"{n} {tuple(hf[n].shape)} (expected {shapes[n]})" for n in sorted(set(shapes) & set(hf))
+                 if tuple(hf[n].shape) != shapes[n]]
+        problems = [f"{len(x)} {what}: {x[:3]}" for x, what in
+                    ((missing, "missing"), (unexpected, "unexpected"), (wrong, "with the wrong shape")) if x]
+        if problems:
+            raise ExportError("the megatron model's adapters are not the expected set: " + "; ".join(problems))
+        return layout, hf
+
+    def export_chunks(self, version: int, device: torch.device | str | None = None,
+                      dtype: torch.dtype = torch.bfloat16) -> Iterator[AdapterChunk]:
+        """The adapters as ``AdapterChunk``s in ``chunk_layout`` order (fresh contiguous ``dtype`` copies on
+        ``device``, default the parameters'); the set is checked before the first chunk (``ExportError``)."""
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"export_chunks: version={version!r}: expected an integer >= 0")
+        layout, hf = self._hf_adapter()
+        config = self.lora.peft_config()
+
+        def stream() -> Iterator[AdapterChunk]:
+            last = len(layout) - 1
+            for k, spec in enumerate(layout):
+                tensors = [(name, hf[name].detach().to(device=device or hf[name].device, dtype=dtype, copy=True)
+                            .contiguous()) for name, _ in spec.tensors]
+                yield AdapterChunk(tensors, version, is_first=k == 0, is_last=k == last, config=dict(config),
+                                   group=spec.group, layer=spec.layer)
+                del tensors
+
+        return stream()
+
+    def save_adapter(self, directory: str | Path, base_model_name_or_path: str | None = None) -> Path:
+        """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (PEFT's layout, BF16, the torch backend's
+        ``save_peft_adapter`` files) into ``directory``, atomically per file; global rank 0 writes."""
+        from safetensors.torch import save_file
+
+        _, hf = self._hf_adapter()
+        directory = Path(directory)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            directory.mkdir(parents=True, exist_ok=True)
+            tensors = {PEFT_PREFIX + n: t.detach().to(device="cpu", dtype=torch.bfloat16).contiguous()
+                       for n, t in hf.items()}
+            config = self.lora.peft_config()
+            config["base_model_name_or_path"] = base_model_name_or_path
+            config["inference_mode"] = True
+            weights_tmp = directory / (ADAPTER_WEIGHTS_NAME + ".tmp")
+            config_tmp = directory / (ADAPTER_CONFIG_NAME + ".tmp")
+            save_file(tensors, str(weights_tmp), metadata={"format": "pt"})
+            config_tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+            os.replace(weights_tmp, directory / ADAPTER_WEIGHTS_NAME)
+            os.replace(config_tmp, directory / ADAPTER_CONFIG_NAME)
+        if dist.is_initialized():
+            dist.barrier()
+        return directory
+
+    def load_adapter(self, directory: str | Path) -> None:
+        """Load a PEFT adapter directory (either backend's ``save_adapter``) into the adapters. Its rank, alpha
+        and targets must be this policy's (``LoRAConfigError``); its tensors exactly ``chunk_layout``'s names
+        and shapes (``ExportError``); missing files raise ``FileNotFoundError``."""
+        from safetensors import safe_open
+
+        from k3.megatron.lora import load_lora
+
+        directory = Path(directory)
+        cfg_path, weights_path = directory / ADAPTER_CONFIG_NAME, directory / ADAPTER_WEIGHTS_NAME
+        for p in (cfg_path, weights_path):
+            if not p.is_file():
+                raise FileNotFoundError(f"{p}: not found (a PEFT adapter directory has {ADAPTER_CONFIG_NAME} and "
+                                        f"{ADAPTER_WEIGHTS_NAME})")
+        try:
+            raw = json.loads(cfg_path.read_text())
+        except json.JSONDecodeError as e:
+            raise LoRAConfigError(f"{cfg_path}: not valid JSON: {e}") from e
+        saved = LoRAConfig.from_peft_config(raw, where=str(cfg_path))
+        have = self.lora
+        if (saved.rank, saved.alpha, saved.target_modules) != (have.rank, have.alpha, have.target_modules):
+            raise LoRAConfigError(f"{cfg_path}: r={saved.rank}, alpha={saved.alpha:g}, targets "
+                                  f"{list(saved.target_modules)} do not match the policy's adapters (r={have.rank}, "
+                                  f"alpha={have.alpha:g}, targets {list(have.target_modules)})")
+        with safe_open(str(weights_path), framework="pt") as f:
+            named = {k.removeprefix(PEFT_PREFIX): f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open
+        shapes = {name: shape for spec in chunk_layout(self.cfg, self.lora) for name, shape in spec.tensors}
+        missing, unexpected = sorted(set(shapes) - set(named)), sorted(set(named) - set(shapes))
+        wrong = [f"{n} {tuple(named[n].shape)} (expected {shapes[n]})" for n in sorted(set(shapes) & set(named))
+                 if tuple(named[n].shape) != shapes[n]]
+        problems = [f"{len(x)} {what}: {x[:3]}" for x, what in
+                    ((missing, "missing"), (unexpected, "unexpected"), (wrong, "with the wrong shape")) if x]
+        if problems:
+            raise ExportError(f"{weights_path}: not this model's adapter: " + "; ".join(problems))
+        load_lora(self.model, hf_lora_to_megatron(named, self.cfg))
+
+    # -- optimizer state
+    def optimizer_state(self) -> dict[str, Any]:
+        """Megatron's optimizer state (this rank's), the step count and the layout it belongs to."""
+        return {"backend": BACKEND, "parallel": list(self.parallel), "dp": self.dp,
+                "optimizer": self.trainer.optimizer.state_dict(), "steps": self.steps}
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        """Restore ``optimizer_state()`` output; a state of the torch backend or of another layout raises
+        ``ValueError`` (its tensors do not fit this optimizer's parameters)."""
+        backend = state.get("backend", "torch")
+        if backend != BACKEND:
+            raise ValueError(f"the optimizer state was saved by the {backend} backend; this run trains with "
+                             f"--backend {BACKEND}: resume with the run's backend, or start a new run")
+        layout = (list(state.get("parallel", [])), state.get("dp"))
+        if layout != (list(self.parallel), self.dp):
+            raise ValueError(f"the optimizer state was saved under (TP, EP, PP, CP) = {layout[0]}, DP {layout[1]}; "
+                             f"this run has {list(self.parallel)}, DP {self.dp}: resume with the same layout")
+        self.trainer.optimizer.load_state_dict(state["optimizer"])
+        self.steps = int(state["steps"])
+
+    def close(self) -> None:
+        """Tear down megatron's groups and the process group."""
+        from k3.megatron.parallel import destroy_parallel
+
+        destroy_parallel()
