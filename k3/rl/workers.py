@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import os
 import secrets
+import socket
+import struct
 import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from multiprocessing.connection import Client, Listener
+from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
 import torch
@@ -175,7 +177,7 @@ class TrainerWorker:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
-        self._producer = AdapterProducer(conn, on_bucket=self.leak.track)
+        self._producer = AdapterProducer(conn, on_bucket=self.leak.track, same_process=_peer_pid(conn) == os.getpid())
 
     # -- GRPO
     def log_probs(self, trajs: list[Trajectory]) -> list[list[float]]:
@@ -263,3 +265,17 @@ class TrainerWorker:
         if self._megatron:
             self.policy.close()
 
+
+def _peer_pid(conn: Connection) -> int | None:
+    """The pid of the process at the other end of an AF_UNIX connection (Linux ``SO_PEERCRED``), else None."""
+    try:
+        sock = socket.socket(fileno=os.dup(conn.fileno()))
+    except OSError:
+        return None
+    with sock:
+        try:
+            pid, _uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                  struct.calcsize("3i")))
+        except (OSError, AttributeError):
+            return None
+    return pid

@@ -39,7 +39,7 @@ import torch
 import torch.multiprocessing as mp
 
 __all__ = [
-    "ChunkHeader", "Ack", "TransferBuffer", "AdapterProducer", "AdapterReceiver", "spawn_receiver", "serve",
+    "ChunkHeader", "Ack", "TransferBuffer", "LocalBucket", "AdapterProducer", "AdapterReceiver", "spawn_receiver", "serve",
     "flatten_into", "unflatten", "digest_tensors", "use_file_system_sharing",
     "HandoffError", "HandoffRejected", "HandoffTimeout",
 ]
@@ -202,6 +202,9 @@ class AdapterProducer:
             engine, a barrier across them (the recipe releases only after every producer got its ack).
         on_bucket: called with every fresh bucket before it is sent (a leak gate tracks it; the persistent
             transfer buffer is meant to stay, so it is not reported).
+        same_process: the receiver runs in this process (``k3 train`` without Ray). CUDA cannot open an IPC
+            handle in the process that exported it, so buckets then travel as ``LocalBucket`` tokens that the
+            receiver resolves from this process's registry (zero-copy); the ack protocol is unchanged.
     """
 
     def __init__(
@@ -211,6 +214,7 @@ class AdapterProducer:
         ack_timeout_s: float = 60.0,
         barrier: Callable[[], None] | None = None,
         on_bucket: Callable[[torch.Tensor], None] | None = None,
+        same_process: bool = False,
     ) -> None:
         if ack_timeout_s <= 0:
             raise ValueError(f"ack_timeout_s={ack_timeout_s}: expected > 0")
@@ -219,6 +223,7 @@ class AdapterProducer:
         self.ack_timeout_s = ack_timeout_s
         self.barrier = barrier
         self.on_bucket = on_bucket
+        self.same_process = same_process
         # Buckets sent but not acked, by (version, index): the receiver may still be reading them.
         self.unacked: dict[tuple[int, int], torch.Tensor] = {}
         self._closed = False
@@ -265,7 +270,12 @@ class AdapterProducer:
         del tensors  # the chunk's own tensors can go as soon as the bucket holds them
         key = (header.version, index)
         self.unacked[key] = bucket
-        payload = (header, bucket)
+        if self.same_process:
+            token = LocalBucket(id(bucket))
+            _LOCAL_BUCKETS[token.key] = bucket
+            payload = (header, token)
+        else:
+            payload = (header, bucket)
         del bucket  # only ``unacked`` may keep it: a traceback holding it would pin the segment
         try:
             self.conn.send(payload)
@@ -504,6 +514,18 @@ class AdapterReceiver:
         return digest
 
 
+@dataclass(frozen=True)
+class LocalBucket:
+    """A bucket handed to a receiver in the same process: a key into ``_LOCAL_BUCKETS`` instead of an IPC handle."""
+
+    key: int
+
+
+# Producer-side registry of same-process buckets in flight; the receiver pops its entry before it acks, so the
+# producer's ``unacked`` entry is again the only reference and ``_release`` frees the bucket as for IPC.
+_LOCAL_BUCKETS: dict[int, torch.Tensor] = {}
+
+
 class _Reject(Exception):
     pass
 
@@ -523,6 +545,8 @@ def serve(conn: Connection, receiver: AdapterReceiver) -> None:
             return
         header, bucket = msg
         del msg
+        if isinstance(bucket, LocalBucket):
+            bucket = _LOCAL_BUCKETS.pop(bucket.key)
         ack = receiver.receive(header, bucket)
         del bucket  # drop the mapping before acking: the producer frees the storage on the ack
         conn.send(ack)

@@ -463,8 +463,9 @@ def test_engine_actor_killed_by_ray_during_sync_fails_clearly_and_resume_continu
     assert [e["adapter/version"] for e in events if e["event"] == "sync"] == [1, 2]  # version 3 never counted
     assert latest_checkpoint(run).name == "rollout_000000"
     deadline = time.monotonic() + 20  # the dead processes' segments are reaped by torch_shm_manager
-    while {n for n in os.listdir("/dev/shm") if n.startswith("torch_")} - shm_before:
-        assert time.monotonic() < deadline, "shared-memory segments of the failed sync were left behind"
+    while _segments_of_this_run(shm_before):
+        assert time.monotonic() < deadline, ("shared-memory segments of the failed sync were left behind: "
+                                             f"{sorted(_segments_of_this_run(shm_before))}")
         time.sleep(0.2)
 
     monkeypatch.setattr(loop_mod, "EngineWorker", EngineWorker)
@@ -494,3 +495,20 @@ def test_stale_temp_dirs_of_dead_saves_are_removed_and_live_ones_kept(tmp_path):
     assert sorted(p.name for p in remove_stale_temp_dirs(adapters)) == sorted([gone.name, mine.name])
     assert live.is_dir() and done.is_dir() and not gone.exists() and not mine.exists()
     assert remove_stale_temp_dirs(tmp_path / "no-such-dir") == []
+
+
+def _segments_of_this_run(before: set[str]) -> set[str]:
+    """New ``/dev/shm/torch_<pid>_*`` segments made by this test's processes: this one, its descendants (the local
+    Ray's actors) or processes that are gone. Segments of unrelated live processes (another xdist worker) do not
+    count."""
+    import psutil
+
+    ours = {os.getpid()} | {c.pid for c in psutil.Process().children(recursive=True)}
+    left = set()
+    for name in set(os.listdir("/dev/shm")) - before:
+        parts = name.split("_")
+        if name.startswith("torch_") and len(parts) > 1 and parts[1].isdigit():
+            pid = int(parts[1])
+            if pid in ours or not psutil.pid_exists(pid):
+                left.add(name)
+    return left

@@ -312,3 +312,53 @@ def test_a_dead_receiver_is_a_clear_error():
     producer = AdapterProducer(conn, ack_timeout_s=5)
     with pytest.raises(HandoffError, match="receiver"):
         producer.send_version(export_chunks(_tiny_lora(), 1))
+
+
+def test_a_receiver_in_the_same_process_gets_tokens_not_ipc_handles_and_the_buckets_are_freed(tmp_path):
+    """``k3 train`` without Ray: engine and trainer share a process, where CUDA cannot open its own IPC handles.
+    The producer registers each bucket locally and sends a ``LocalBucket`` token; versions still arrive bit-exact
+    and every bucket is freed after its ack."""
+    import threading
+    from multiprocessing.connection import Client, Listener
+
+    from k3.rl.workers import _peer_pid
+    from k3.transport import handoff
+
+    path, key = str(tmp_path / "adapter.sock"), b"k" * 16
+    listener = Listener(path, family="AF_UNIX", authkey=key)
+    rx = _make_receiver()
+    seen: list[type] = []
+    thread = threading.Thread(target=lambda: handoff.serve(_Recording(listener.accept(), seen), rx), daemon=True)
+    thread.start()
+    conn = Client(path, family="AF_UNIX", authkey=key)
+    assert _peer_pid(conn) == os.getpid()
+    refs: list[weakref.ref] = []
+    producer = AdapterProducer(conn, ack_timeout_s=30, same_process=True,
+                               on_bucket=lambda b: refs.append(weakref.ref(b.untyped_storage())))
+    m = _tiny_lora()
+    want = digest_tensors([kv for c in export_chunks(m, 3) for kv in c.tensors])
+    ack = producer.send_version(export_chunks(m, 3))
+    assert ack.ok and ack.active_version == 3 and ack.digest == want
+    assert seen and set(seen) == {handoff.LocalBucket}
+    gc.collect()
+    assert refs and all(r() is None for r in refs) and not handoff._LOCAL_BUCKETS and not producer.unacked
+    producer.close()
+    thread.join(timeout=10)
+    listener.close()
+    assert not thread.is_alive()
+
+
+class _Recording:
+    """A connection that notes the type of every bucket it receives."""
+
+    def __init__(self, conn, seen):
+        self.conn, self.seen = conn, seen
+
+    def recv(self):
+        msg = self.conn.recv()
+        if isinstance(msg, tuple):
+            self.seen.append(type(msg[1]))
+        return msg
+
+    def send(self, obj):
+        self.conn.send(obj)
