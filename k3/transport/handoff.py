@@ -80,6 +80,9 @@ class ChunkHeader:
     shapes: tuple[tuple[int, ...], ...]
     dtype: torch.dtype
     config: dict[str, Any] = field(default_factory=dict)
+    # The bucket is a view of the producer's persistent TransferBuffer: the receiver keeps its mapping until the
+    # version's last chunk, so the next chunk's handle hits torch's shared-storage cache instead of reopening it.
+    persistent: bool = False
 
     @property
     def numel(self) -> int:
@@ -253,6 +256,7 @@ class AdapterProducer:
         header = ChunkHeader(
             version=chunk.version, index=index, is_first=chunk.is_first, is_last=chunk.is_last, names=names,
             shapes=tuple(tuple(t.shape) for t in tensors), dtype=tensors[0].dtype, config=dict(chunk.config),
+            persistent=self.transfer_buffer is not None,
         )
         if self.transfer_buffer is not None:
             if self.transfer_buffer.dtype != header.dtype or self.transfer_buffer.device != tensors[0].device:
@@ -536,6 +540,7 @@ def serve(conn: Connection, receiver: AdapterReceiver) -> None:
     Works on any ``multiprocessing`` connection — a spawned child's pipe, or a Unix socket between two
     unrelated processes such as two Ray actors (CPU buckets travel as named ``/dev/shm`` files, CUDA buckets
     as IPC handles)."""
+    held: list[torch.Tensor] = []  # the persistent buffer's mapping, kept while a version streams
     while True:
         try:
             msg = conn.recv()
@@ -548,7 +553,11 @@ def serve(conn: Connection, receiver: AdapterReceiver) -> None:
         if isinstance(bucket, LocalBucket):
             bucket = _LOCAL_BUCKETS.pop(bucket.key)
         ack = receiver.receive(header, bucket)
-        del bucket  # drop the mapping before acking: the producer frees the storage on the ack
+        # A fresh bucket's mapping is dropped before the ack (the producer frees it on the ack). A view of the
+        # persistent buffer stays mapped until the version's last chunk: reopening a CUDA IPC handle per chunk
+        # cost more than the copies. After the last chunk nothing is held, so memory is back at baseline.
+        held[:] = [bucket] if header.persistent and not header.is_last and ack.ok else []
+        del bucket
         conn.send(ack)
 
 

@@ -362,3 +362,56 @@ class _Recording:
 
     def send(self, obj):
         self.conn.send(obj)
+
+
+class _CountingOpens(AdapterReceiver):
+    """Counts how often this (receiver) process maps a shared-memory segment anew; the count comes back in the
+    last chunk's ack as ``error`` (test-only)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.opens = 0
+        original = torch.UntypedStorage._new_shared_filename_cpu
+
+        def counting(*args, **kwargs):
+            self.opens += 1
+            return original(*args, **kwargs)
+
+        torch.UntypedStorage._new_shared_filename_cpu = counting
+
+    def receive(self, header, bucket):
+        import dataclasses
+
+        ack = super().receive(header, bucket)
+        return dataclasses.replace(ack, error=str(self.opens)) if header.is_last else ack
+
+
+def _make_counting_receiver() -> AdapterReceiver:
+    m = _tiny_lora()
+    return _CountingOpens(expected={n: tuple(t.shape) for c in export_chunks(m, 0) for n, t in c.tensors})
+
+
+@pytest.mark.parametrize("buffered", [False, True])
+def test_the_persistent_buffer_is_mapped_once_per_version_and_fresh_buckets_once_per_chunk(buffered):
+    proc, conn = spawn_receiver(_make_counting_receiver)
+    try:
+        before = _torch_segments()
+        m = _tiny_lora()
+        chunks = list(export_chunks(m, 1))
+        buffer = TransferBuffer("cpu", torch.bfloat16, initial_numel=max(
+            sum(t.numel() for _, t in c.tensors) for c in chunks)) if buffered else None
+        producer = AdapterProducer(conn, transfer_buffer=buffer, ack_timeout_s=30)
+        ack = producer.send_version(iter(chunks))
+        assert ack.ok and int(ack.error) == (1 if buffered else len(chunks))
+        ack = producer.send_version(export_chunks(m, 2))  # the mapping was dropped after version 1's last chunk
+        assert ack.ok and int(ack.error) == (2 if buffered else 2 * len(chunks))
+        if buffer is not None:
+            buffer.release()
+        gc.collect()
+        assert _torch_segments() == before  # nothing is held by either side after the last chunk
+        producer.close()
+        proc.join(timeout=30)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
