@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -45,8 +46,8 @@ from k3.megatron.mla import K3MLAttention
 from k3.megatron.mlp import K3SiTUMLP
 from k3.megatron.moe import K3LatentMoE, K3RoutedExperts
 
-__all__ = ["LoRAAdapter", "ParallelContext", "apply_megatron_lora", "gather_lora", "load_lora", "lora_parameters",
-           "mark_expert_factor"]
+__all__ = ["LoRAAdapter", "ParallelContext", "apply_megatron_lora", "gather_lora", "iter_lora", "load_lora",
+           "lora_factors", "lora_parameters", "mark_expert_factor"]
 
 
 class ParallelContext:
@@ -294,13 +295,40 @@ def _adapters(model: nn.Module):
                     yield f"decoder.layers.{layer.layer_idx}.{module_name}.{factor}", p, module
 
 
-def gather_lora(model: nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
-    """Every adapter factor of this stage as its *global* tensor (gathered over TP/EP; collective: every rank
-    of the stage calls it). ``grads=True`` gathers the gradients (``main_grad`` under megatron's DDP) instead."""
+def lora_factors(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+    """``(global name, global shape)`` of every adapter factor on this stage, in model order. Local: no
+    communication (a split factor's global shape is its piece's with the split dim times the group size)."""
+    out = []
+    for name, p, adapter in _adapters(model):
+        rule = factor_rule(p.k3_lora_factor)
+        shape = list(p.shape)
+        if rule.split_group is not None:
+            shape[rule.split_dim] *= adapter.ctx.layout.size(rule.split_group)
+        out.append((name, tuple(shape)))
+    return out
+
+
+def iter_lora(model: nn.Module, names: Iterable[str] | None = None,
+              grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(global name, global tensor)`` of this stage's adapter factors one at a time, in model order: all of
+    them, or those in ``names`` (a name not on this stage raises ``KeyError`` before anything is gathered).
+    Collective over TP/EP: every rank of the stage iterates the same names to the end.
+
+    A split factor is gathered over its TP/EP group into a fresh tensor; a factor this rank holds whole is its
+    parameter's (or gradient's) own data, detached, not a copy: copy it before keeping or changing it. Nothing
+    but the factor being yielded stays referenced, so a caller that drops each before the next holds at most
+    one global factor (``grads=True``: the gradients, ``main_grad`` under megatron's DDP)."""
     import torch.distributed as dist
 
-    out: dict[str, torch.Tensor] = {}
+    wanted = None if names is None else set(names)
+    found = []
     for name, p, adapter in _adapters(model):
+        if wanted is None or name in wanted:
+            found.append((name, p, adapter))
+    if wanted is not None and len(found) != len(wanted):
+        missing = sorted(wanted - {name for name, _, _ in found})
+        raise KeyError(f"iter_lora: {len(missing)} factors are not on this stage, e.g. {missing[:3]}")
+    for name, p, adapter in found:
         t = p
         if grads:
             t = getattr(p, "main_grad", None)
@@ -314,8 +342,16 @@ def gather_lora(model: nn.Module, grads: bool = False) -> dict[str, torch.Tensor
             pieces = [torch.empty_like(t) for _ in range(group.size())]
             dist.all_gather(pieces, t.contiguous(), group=group)
             t = gather(pieces, p.k3_lora_factor)
-        out[name] = t.clone()
-    return out
+            del pieces  # the generator is suspended at the yield: hold the global tensor only
+        yield name, t
+        del t
+
+
+def gather_lora(model: nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
+    """Every adapter factor of this stage as its *global* tensor (gathered over TP/EP; collective: every rank
+    of the stage calls it), each a fresh copy. ``grads=True`` gathers the gradients (``main_grad`` under
+    megatron's DDP) instead."""
+    return {name: t.clone() for name, t in iter_lora(model, grads=grads)}
 
 
 @torch.no_grad()

@@ -23,7 +23,9 @@ takes trajectories ``d, d + DP, …`` of the global batch.
 
 Layout: ``parallel = (TP, EP, PP, CP)`` from the resolved launcher layout; the policy runs under TP, EP (with
 DP) and CP (tests/parity/test_megatron_policy.py: equal to one rank), but the loop starts one trainer process
-only (see ``k3.rl.loop``).
+only (see ``k3.rl.loop``). Under PP the adapter export streams: each chunk is made by the stage holding its
+layer and broadcast over the PP group, so every rank yields the whole stream while holding about one chunk
+(tests/parity/test_megatron_pp_export.py).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import json
 import math
 import os
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,10 +54,10 @@ __all__ = ["BACKEND", "MegatronPolicy", "build_megatron_policy"]
 BACKEND = "megatron"  # tag of the optimizer state: a torch-backend state cannot be loaded here, and back
 
 
-def _parallel_sizes(tp: int, ep: int, pp: int, cp: int):
+def _parallel_sizes(tp: int, ep: int, pp: int, cp: int, first: int | None = None, last: int | None = None):
     from k3.megatron.config import ParallelSizes
 
-    return ParallelSizes(tp=tp, ep=ep, pp=pp, cp=cp)
+    return ParallelSizes(tp=tp, ep=ep, pp=pp, cp=cp, first_stage_layers=first, last_stage_layers=last)
 
 
 def build_megatron_policy(
@@ -68,12 +71,15 @@ def build_megatron_policy(
     ref_load: str | Path | None = None,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    stage_layers: tuple[int | None, int | None] = (None, None),
 ) -> MegatronPolicy:
     """Join the process group, create megatron's TP/EP/PP groups for ``parallel`` = (TP, EP, PP, CP) and build
     this rank's policy: the K3 config of the BF16 HF checkpoint ``model_dir`` (the engine's), base weights from
     the torch_dist checkpoint ``ref_load`` when given (``load_dist``, any source layout) or else from
     ``model_dir`` (``load_hf_checkpoint``), adapters seeded by ``seed``, megatron's Adam with ``grpo``'s
-    settings (default ``GRPOConfig()``, the recipe's). On CUDA the model goes to the current device
+    settings (default ``GRPOConfig()``, the recipe's). ``stage_layers``: the layers of the first and of the
+    last pipeline stage under an uneven split (megatron's ``--decoder-first/last-pipeline-num-layers``; None:
+    even). On CUDA the model goes to the current device
     (``init_parallel`` sets it from ``LOCAL_RANK``)."""
     from k3.checkpoint.hf_io import CheckpointError
     from k3.megatron.checkpoint import load_dist, load_hf_checkpoint, read_dist_config
@@ -92,7 +98,7 @@ def build_megatron_policy(
             raise CheckpointError(f"--ref-load {ref_load} holds a different model than --hf-checkpoint "
                                   f"{model_dir} (their configs differ): convert the engine's checkpoint with "
                                   f"k3 convert hf-to-dist --hf-checkpoint {model_dir} --save DCP")
-    sizes = _parallel_sizes(*parallel)
+    sizes = _parallel_sizes(*parallel, *stage_layers)
     config = k3_transformer_config(cfg, sizes, params_dtype=dtype, perform_initialization=False)  # validates
     init_parallel(sizes, seed=seed)
 
@@ -107,6 +113,36 @@ def build_megatron_policy(
                                  lora_seed=seed)
     return MegatronPolicy(trainer, cfg, lora, pad_id=pad_id, grpo=grpo,
                           max_tokens_per_micro_batch=max_tokens_per_micro_batch, parallel=parallel)
+
+
+@dataclass
+class _ExportPlan:
+    """``MegatronPolicy._export_plan``: the chunks, the PP-group rank making each, and per chunk this stage's
+    megatron factors for it (empty where another stage makes it)."""
+
+    layout: list[ChunkSpec]
+    owner: list[int]
+    sources: list[list[str]]
+    pp_group: Any
+    pp_rank: int
+
+
+def _export_copy(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A fresh contiguous ``dtype`` copy of an adapter tensor on ``device``: the one place the exporter makes a
+    chunk tensor on the stage that holds it (tests count what it holds through here)."""
+    return t.detach().to(device=device, dtype=dtype, copy=True).contiguous()
+
+
+def _broadcast(tensors: list[tuple[str, torch.Tensor]], src: int, group) -> None:
+    """Each tensor from global rank ``src`` to the rest of ``group``, in place (a function: no loop variable
+    keeps the chunk's last tensor alive in the suspended export generator)."""
+    for _, t in tensors:
+        dist.broadcast(t, src=src, group=group)
+
+
+def _export_buffer(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The receive buffer of a chunk tensor another pipeline stage makes (filled by the broadcast)."""
+    return torch.empty(shape, device=device, dtype=dtype)
 
 
 class MegatronPolicy:
@@ -225,45 +261,122 @@ class MegatronPolicy:
         }
 
     # -- adapters
-    def _hf_adapter(self) -> tuple[list[ChunkSpec], dict[str, torch.Tensor]]:
-        """The whole adapter by PEFT name (``language_model.model.layers.…``; collective over TP/EP/PP), checked
-        against ``chunk_layout``: exactly its names, each with its shape, or ``ExportError``."""
+    def _export_plan(self) -> _ExportPlan:
+        """Which pipeline stage produces each ``chunk_layout`` chunk, and from which of this stage's factors;
+        checks the adapters against the layout without moving any adapter data (collective over PP).
+
+        Each stage maps its own factors to PEFT names and shapes from their global shapes alone (meta tensors)
+        and compares them with the layout's chunks of its own layers: exactly those names, each with its
+        shape. The stages all-gather which layers they hold and how many problems they found, so every rank
+        raises the same ``ExportError`` (naming the stage) or none does."""
         from megatron.core import parallel_state
 
-        from k3.megatron.lora import gather_lora
+        from k3.checkpoint.names import NameMapError
+        from k3.megatron.lora import lora_factors
 
-        state = gather_lora(self.model)
-        pp_group = parallel_state.get_pipeline_model_parallel_group()
-        if dist.get_world_size(pp_group) > 1:  # each stage holds its own layers' factors
-            parts: list[dict | None] = [None] * dist.get_world_size(pp_group)
-            dist.all_gather_object(parts, {k: v.cpu() for k, v in state.items()}, group=pp_group)
-            state = {k: v for part in parts for k, v in part.items()}
-        hf = megatron_lora_to_hf(state, self.cfg)
         layout = chunk_layout(self.cfg, self.lora)
-        shapes = {name: shape for spec in layout for name, shape in spec.tensors}
-        missing, unexpected = sorted(set(shapes) - set(hf)), sorted(set(hf) - set(shapes))
-        wrong = [f"{n} {tuple(hf[n].shape)} (expected {shapes[n]})" for n in sorted(set(shapes) & set(hf))
-                 if tuple(hf[n].shape) != shapes[n]]
-        problems = [f"{len(x)} {what}: {x[:3]}" for x, what in
-                    ((missing, "missing"), (unexpected, "unexpected"), (wrong, "with the wrong shape")) if x]
-        if problems:
+        n_layers = self.cfg.num_hidden_layers
+        pp_group = parallel_state.get_pipeline_model_parallel_group()
+        pp, pp_rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
+        held = sorted({layer.layer_idx for layer in self.model.decoder.layers})
+        past = [i for i in held if not 0 <= i < n_layers]
+        problems = [f"layers {past} are past num_hidden_layers={n_layers}"] if past else []
+        source: dict[str, str] = {}  # PEFT name -> the megatron factor it comes from
+        shapes: dict[str, tuple[int, ...]] = {}
+        for name, shape in lora_factors(self.model):
+            try:
+                hf = megatron_lora_to_hf({name: torch.empty(shape, device="meta")}, self.cfg)
+            except NameMapError as e:
+                problems.append(str(e))
+                continue
+            for n, t in hf.items():
+                if n in source:
+                    problems.append(f"{n} comes from both {source[n]} and {name}")
+                source[n], shapes[n] = name, tuple(t.shape)
+        mine = set(held)
+        expected = {n: shape for spec in layout if spec.layer in mine for n, shape in spec.tensors}
+        missing, unexpected = sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected))
+        wrong = [f"{n} {shapes[n]} (expected {expected[n]})" for n in sorted(set(expected) & set(shapes))
+                 if shapes[n] != expected[n]]
+        problems += [f"{len(x)} {what}: {x[:3]}" for x, what in
+                     ((missing, "missing"), (unexpected, "unexpected"), (wrong, "with the wrong shape")) if x]
+
+        # [stage, layer] = 1 where the stage holds the layer; the last column: the stage's problem count
+        row = torch.zeros(n_layers + 1, dtype=torch.int64, device=self._export_device)
+        row[[i for i in held if i not in past]] = 1
+        row[n_layers] = len(problems)
+        if pp > 1:
+            rows = [torch.empty_like(row) for _ in range(pp)]
+            dist.all_gather(rows, row, group=pp_group)
+            table = torch.stack(rows).cpu()
+        else:
+            table = row.cpu()[None]
+        holders = table[:, :n_layers].sum(0)
+        unheld = [i for i in range(n_layers) if holders[i] != 1]
+        if int(table[:, n_layers].sum()) or unheld:
+            if pp > 1:  # the error path only: the stages' messages (short strings) to every rank
+                every: list[list[str] | None] = [None] * pp
+                dist.all_gather_object(every, problems, group=pp_group)
+                problems = [f"pipeline stage {k}: {m}" for k, ms in enumerate(every) for m in ms]
+            if unheld:
+                problems.append(f"layers {unheld} are held by {[int(holders[i]) for i in unheld]} pipeline "
+                                "stages (expected exactly 1)")
             raise ExportError("the megatron model's adapters are not the expected set: " + "; ".join(problems))
-        return layout, hf
+        owner = [int(table[:, spec.layer].argmax()) for spec in layout]
+        sources = [list(dict.fromkeys(source[n] for n, _ in spec.tensors)) if owner[k] == pp_rank else []
+                   for k, spec in enumerate(layout)]
+        return _ExportPlan(layout, owner, sources, pp_group, pp_rank)
+
+    @property
+    def _export_device(self) -> torch.device:
+        """Where the export gathers and broadcasts: the parameters' device (CUDA under NCCL)."""
+        return next(self.model.parameters()).device
+
+    def _chunk_tensors(self, spec: ChunkSpec, factors: list[str], device: torch.device,
+                       dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
+        """This stage's chunk ``spec`` from its megatron ``factors`` (collective over the stage's TP/EP): one
+        global factor at a time, each turned into its PEFT tensors as fresh ``dtype`` copies on ``device``
+        before the next is gathered, so at most the chunk plus one global factor is held."""
+        from k3.megatron.lora import iter_lora
+
+        out: dict[str, torch.Tensor] = {}
+        for name, factor in iter_lora(self.model, factors):
+            out.update({n: _export_copy(piece, device, dtype)
+                        for n, piece in megatron_lora_to_hf({name: factor}, self.cfg).items()})
+            del factor  # before the next factor is gathered
+        return [(n, out.pop(n)) for n, _ in spec.tensors]
 
     def export_chunks(self, version: int, device: torch.device | str | None = None,
                       dtype: torch.dtype = torch.bfloat16) -> Iterator[AdapterChunk]:
         """The adapters as ``AdapterChunk``s in ``chunk_layout`` order (fresh contiguous ``dtype`` copies on
-        ``device``, default the parameters'); the set is checked before the first chunk (``ExportError``)."""
+        ``device``, default the parameters'); the set is checked before the first chunk (``ExportError``).
+
+        Collective over TP/EP/PP: every rank calls it and runs the stream to its end, and every rank gets
+        every chunk, in the same order (an engine feeder may be any rank; recipe §4.4). A chunk is made by
+        the pipeline stage holding its layer (``iter_lora``: one TP/EP-gathered factor at a time) and, under
+        PP, broadcast tensor by tensor from that stage over the PP group into buffers the other stages
+        allocate from the layout's shapes. Nothing beyond the parameters is held but the chunk being made or
+        yielded (plus, on its stage, the global factor being converted), if the caller drops each chunk
+        before taking the next."""
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValueError(f"export_chunks: version={version!r}: expected an integer >= 0")
-        layout, hf = self._hf_adapter()
+        plan = self._export_plan()
         config = self.lora.peft_config()
+        pp = dist.get_world_size(plan.pp_group)
+        comm = self._export_device
+        made_on = comm if pp > 1 or device is None else torch.device(device)
 
         def stream() -> Iterator[AdapterChunk]:
-            last = len(layout) - 1
-            for k, spec in enumerate(layout):
-                tensors = [(name, hf[name].detach().to(device=device or hf[name].device, dtype=dtype, copy=True)
-                            .contiguous()) for name, _ in spec.tensors]
+            last = len(plan.layout) - 1
+            for k, spec in enumerate(plan.layout):
+                if plan.owner[k] == plan.pp_rank:
+                    tensors = self._chunk_tensors(spec, plan.sources[k], made_on, dtype)
+                else:
+                    tensors = [(n, _export_buffer(shape, comm, dtype)) for n, shape in spec.tensors]
+                if pp > 1:
+                    _broadcast(tensors, dist.get_global_rank(plan.pp_group, plan.owner[k]), plan.pp_group)
+                    if device is not None:
+                        tensors = [(n, t.to(device)) for n, t in tensors]
                 yield AdapterChunk(tensors, version, is_first=k == 0, is_last=k == last, config=dict(config),
                                    group=spec.group, layer=spec.layer)
                 del tensors
@@ -272,15 +385,19 @@ class MegatronPolicy:
 
     def save_adapter(self, directory: str | Path, base_model_name_or_path: str | None = None) -> Path:
         """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (PEFT's layout, BF16, the torch backend's
-        ``save_peft_adapter`` files) into ``directory``, atomically per file; global rank 0 writes."""
+        ``save_peft_adapter`` files) into ``directory``, atomically per file; global rank 0 writes. Collective
+        (``export_chunks``' stream): rank 0 collects the whole adapter on CPU, the others drop each chunk."""
         from safetensors.torch import save_file
 
-        _, hf = self._hf_adapter()
+        writer = not dist.is_initialized() or dist.get_rank() == 0
+        tensors: dict[str, torch.Tensor] = {}
+        for chunk in self.export_chunks(self.steps, device="cpu" if writer else None):
+            if writer:
+                tensors.update((PEFT_PREFIX + n, t) for n, t in chunk.tensors)
+            del chunk  # the others hold one chunk at a time
         directory = Path(directory)
-        if not dist.is_initialized() or dist.get_rank() == 0:
+        if writer:
             directory.mkdir(parents=True, exist_ok=True)
-            tensors = {PEFT_PREFIX + n: t.detach().to(device="cpu", dtype=torch.bfloat16).contiguous()
-                       for n, t in hf.items()}
             config = self.lora.peft_config()
             config["base_model_name_or_path"] = base_model_name_or_path
             config["inference_mode"] = True
