@@ -3,10 +3,12 @@
 ``run(resolved)`` is what ``k3 train`` calls after resolving and validating the flags. The trainer and the
 rollout engines (``--rollout-engine embedded``: one ``EngineWorker``; ``sglang``: one ``k3.rl.sglang_worker``
 engine per ``rollout_num_gpus_per_engine`` GPUs) run as Ray actors in the placement-group bundles of the
-training ranks (colocated); memory is handed between them in the order of ``--colocate-memory-peak-device``
-(recipe §5.4, ``k3.rl.colocate``), every sync pauses generation on every engine and continues it only after
-the trainer returned, and every sync is bracketed by per-rank memory records that the harness checks. The run
-directory follows docs/RUN_DIRECTORY.md.
+training ranks (colocated): the torch trainer is one rank, the megatron trainer one actor per training rank
+(``k3.rl.trainer_group``; the first rank on each engine's GPUs sends that engine its adapters); memory is
+handed between them in the order of ``--colocate-memory-peak-device`` (recipe §5.4, ``k3.rl.colocate``),
+every sync pauses generation on every engine and continues it only after every trainer rank returned, and
+every sync is bracketed by per-rank memory records that the harness checks. The run directory follows
+docs/RUN_DIRECTORY.md.
 """
 
 from __future__ import annotations
@@ -54,7 +56,9 @@ def prompts_for_rollout(n_records: int, rollout_id: int, batch_size: int, seed: 
 # ------------------------------------------------------------------------------------------------ the loop
 class Loop:
     """One run. ``trainer`` and each engine are handles with a ``call(method, *args)`` facade (Ray or in-process);
-    ``engines`` is one handle or a list of them (one per rollout engine)."""
+    ``engines`` is one handle or a list of them (one per rollout engine). ``trainer`` may be a
+    ``k3.rl.trainer_group.TrainerGroup`` (one actor per training rank): its ``call`` runs the method on every rank
+    and returns the results in rank order; rank 0's log-probs and metrics are the run's."""
 
     def __init__(self, resolved: ResolvedConfig, trainer: Any, engines: Any, writer: MetricsWriter) -> None:
         from k3.rl.data import load_prompts
@@ -67,6 +71,7 @@ class Loop:
         if not self.engines:
             raise TrainingError("the loop needs at least one rollout engine")
         self.trainer, self.engine, self.w = trainer, self.engines[0], writer
+        self._group = _is_group(trainer)
         self._trainer_asleep = False  # for trainers with sleep()/wake_up() (colocate.py's optional steps)
         self.tokenizer = load_tokenizer(self.a.hf_checkpoint)
         self.train_records = load_prompts(resolved.data.prompt_data)
@@ -118,6 +123,12 @@ class Loop:
             for rec in out["memory"]:
                 keys = {k: v for k, v in rec.items() if k not in ("time", "event")}
                 self.w.write("memory", rollout_id, sync=sync_index, **keys)
+        chunks = {o["chunks"] for o in outs}
+        if len(chunks) != 1:  # every rank runs the same collective stream: a difference is a broken export
+            raise TrainingError(f"the trainer ranks exported different chunk counts for version {version}: "
+                                f"{[o['chunks'] for o in outs]}")
+        leaks = [f"rank {r}: {p}" if len(outs) > 1 else p for r, o in enumerate(outs)
+                 for p in o.get("leak_problems") or []]
         out = outs[0]
         for k, served in enumerate(self._on_engines("adapter_version")):
             if served != version:
@@ -129,8 +140,8 @@ class Loop:
         self.version = version
         keys = {"sync": sync_index, "adapter/version": version, "adapter/chunks": out["chunks"],
                 "perf/update_weights_time": out["perf/update_weights_time"]}
-        if out.get("leak_problems"):
-            keys["leak"] = "; ".join(out["leak_problems"])
+        if leaks:
+            keys["leak"] = "; ".join(leaks)
             print(f"WARNING sync {sync_index}: {keys['leak']}", flush=True)
         if cycle_start is not None:
             keys["perf/cycle_time"] = time.perf_counter() - cycle_start
@@ -201,7 +212,7 @@ class Loop:
         self._run_steps(colocate.before_train_steps(self._peak, self._levels))
         trajs = [Trajectory(s.prompt_ids, s.tokens, float(adv[k])) for k, s in enumerate(samples)]
         t0 = time.perf_counter()
-        old = self.trainer.call("log_probs", trajs)
+        old = self._rank0(self.trainer.call("log_probs", trajs))
         log_probs_time = time.perf_counter() - t0
         for t, lp in zip(trajs, old):
             t.old_log_probs = lp
@@ -211,7 +222,7 @@ class Loop:
         train_metrics: dict[str, float] = {}
         gbs = a.global_batch_size
         for start in range(0, len(trajs), gbs):  # one optimizer step per global batch
-            train_metrics = self.trainer.call("train_step", trajs[start:start + gbs])
+            train_metrics = self._rank0(self.trainer.call("train_step", trajs[start:start + gbs]))
         train_time = time.perf_counter() - t0
         self.w.write("train", rollout_id, **train_metrics, **{
             "perf/train_time": train_time,
@@ -254,6 +265,10 @@ class Loop:
     def _on_engines(self, method: str, *args: Any) -> list[Any]:
         return _call_all(self.engines, method, *args)
 
+    def _rank0(self, out: Any) -> Any:
+        """Rank 0's result of a trainer call (the whole result of a one-rank trainer)."""
+        return out[0] if self._group else out
+
     def _run_steps(self, steps: list[colocate.Step] | tuple[colocate.Step, ...]) -> None:
         for step in steps:
             if step.target == colocate.ENGINES:
@@ -294,8 +309,8 @@ class Loop:
         tmp = root / f".tmp-rollout_{rollout_id:06d}-{os.getpid()}"
         remove_stale_temp_dirs(root)
         shutil.rmtree(tmp, ignore_errors=True)
-        self.trainer.call("save_adapter", str(tmp))
-        state = {"rollout_id": rollout_id, "version": self.version, **self.trainer.call("optimizer_state")}
+        self.trainer.call("save_adapter", str(tmp))  # collective under megatron; rank 0 writes the files
+        state = {"rollout_id": rollout_id, "version": self.version, **optimizer_state(self.trainer)}
         torch.save(state, tmp / STATE_NAME)
         _fsync_dir(tmp)
         if final.exists():
@@ -442,6 +457,36 @@ def _call_all(handles: list[Any], method: str, *args: Any) -> list[Any]:
     return [wait() for wait in pending]
 
 
+def _is_group(trainer: Any) -> bool:
+    """A trainer group (one handle over several ranks, ``call`` returns a list per rank)."""
+    return hasattr(trainer, "call_each") and hasattr(trainer, "world_size")
+
+
+def optimizer_state(trainer: Any) -> dict[str, Any]:
+    """The trainer's optimizer state for a checkpoint: a group's ranks merged (``merge_rank_states``)."""
+    if not _is_group(trainer):
+        return trainer.call("optimizer_state")
+    from k3.rl.trainer_group import merge_rank_states
+
+    return merge_rank_states(trainer.call("optimizer_state"))
+
+
+def load_optimizer_state(trainer: Any, state: dict[str, Any]) -> None:
+    """Give every rank its own part of a checkpoint's optimizer state (``split_rank_states``); a checkpoint of
+    another rank count raises ``TrainingError``."""
+    from k3.rl.trainer_group import split_rank_states
+
+    group = _is_group(trainer)
+    try:
+        states = split_rank_states(state, trainer.world_size if group else 1)
+    except ValueError as e:
+        raise TrainingError(f"--resume: {e}") from None
+    if group:
+        trainer.call_each([("load_optimizer_state", (s,)) for s in states])
+    else:
+        trainer.call("load_optimizer_state", states[0])
+
+
 def _rank_results(out: Any) -> list[dict[str, Any]]:
     """``update_weights`` results, one per trainer rank (a trainer group returns a list; one rank a dict)."""
     outs = list(out) if isinstance(out, (list, tuple)) else [out]
@@ -482,13 +527,32 @@ def start_engines(resolved: ResolvedConfig, spec: WorkerSpec, placement: Any | N
     return engines
 
 
-def connect_engines(trainer: Any, engines: list[Any]) -> None:
+def feeding_ranks(num_engines: int, ranks_per_engine: int, world_size: int) -> list[int]:
+    """The trainer rank that sends engine ``k`` its adapters: the first rank on the engine's GPUs (recipe §4.5),
+    ``k · ranks_per_engine``; raises ``TrainingError`` when the training ranks do not reach every engine."""
+    if num_engines < 1 or ranks_per_engine < 1:
+        raise TrainingError(f"{num_engines} engines of {ranks_per_engine} ranks each: both must be >= 1")
+    feeders = [k * ranks_per_engine for k in range(num_engines)]
+    if feeders[-1] >= world_size:
+        raise TrainingError(f"{num_engines} rollout engines of {ranks_per_engine} GPUs each need "
+                            f"{feeders[-1] + 1} trainer ranks to feed them; the trainer has {world_size}")
+    return feeders
+
+
+def connect_engines(trainer: Any, engines: list[Any], ranks_per_engine: int = 1) -> None:
     """Open each engine's adapter socket and connect the trainer rank that feeds it (recipe §4.5: the first
-    rank on the engine's GPUs). The trainer handle is one rank, so it feeds one engine."""
-    if len(engines) != 1:
-        raise TrainingError(f"{len(engines)} rollout engines need one adapter sender each (the first trainer "
-                            "rank on each engine's GPUs); the loop starts one trainer rank, which feeds one engine")
-    trainer.call("connect", *engines[0].call("listen"))
+    rank on the engine's GPUs, :func:`feeding_ranks`); under a trainer group every other rank exports without
+    sending (``TrainerWorker.export_only``: the export is collective). A one-rank trainer feeds one engine."""
+    if not _is_group(trainer):
+        if len(engines) != 1:
+            raise TrainingError(f"{len(engines)} rollout engines need one adapter sender each (the first trainer "
+                                "rank on each engine's GPUs); this trainer is one rank, which feeds one engine")
+        trainer.call("connect", *engines[0].call("listen"))
+        return
+    feeders = feeding_ranks(len(engines), ranks_per_engine, trainer.world_size)
+    addresses = dict(zip(feeders, _call_all(engines, "listen")))
+    trainer.call_each([("connect", tuple(addresses[r])) if r in addresses else ("export_only", ())
+                       for r in range(trainer.world_size)])
 
 
 def _require_sglang(a: Any, in_process: bool) -> None:
@@ -535,17 +599,15 @@ def run(resolved: ResolvedConfig, *, in_process: bool | None = None, sabotage_sy
             require_cuda()
         except MegatronBackendUnavailable as e:  # `k3 train` reports a TrainingError as one line, exit 1
             raise TrainingError(str(e)) from None
-        if resolved.layout.world_size > 1:
-            # MegatronPolicy runs under any TP/EP/PP/DP layout, but the loop starts one trainer process: one
-            # TrainerWorker per rank (torchrun-style env, one sender of the adapter) is the next step.
-            raise TrainingError(f"--backend megatron trains on one rank for now, but this layout has "
-                                f"{resolved.layout.world_size} training ranks: use --model-variant tiny with "
-                                "--num-gpus-per-node 1")
     if a.backend == "torch" and resolved.layout.world_size > 1:
         raise TrainingError(f"the torch backend trains on one rank, but this layout has "
                             f"{resolved.layout.world_size} training ranks: use --backend megatron")
     if in_process is None:
         in_process = os.environ.get("K3_IN_PROCESS") == "1"
+    if in_process and resolved.layout.world_size > 1:
+        # One process holds one rank; the ranks of a megatron layout are Ray actors (k3.rl.trainer_group).
+        raise TrainingError(f"an in-process run (K3_IN_PROCESS=1) trains on one rank, but this layout has "
+                            f"{resolved.layout.world_size} training ranks: run under Ray (unset K3_IN_PROCESS)")
     if a.rollout_engine == "sglang":
         _require_sglang(a, in_process)  # stops at once, before Ray or any model is started
     # Test hook: an engine that acks every chunk but never activates (keeps serving version 0).
@@ -557,7 +619,9 @@ def run(resolved: ResolvedConfig, *, in_process: bool | None = None, sabotage_sy
         lay = resolved.layout
         spec = replace(spec, backend="megatron", ref_load=a.ref_load,
                        parallel=(lay.tensor_model_parallel_size, lay.expert_model_parallel_size,
-                                 lay.pipeline_model_parallel_size, lay.context_parallel_size))
+                                 lay.pipeline_model_parallel_size, lay.context_parallel_size),
+                       # set only under an uneven split: first = ceil(L / PP), last = L - first·(PP - 1)
+                       stage_layers=(lay.decoder_first_pipeline_num_layers, lay.decoder_last_pipeline_num_layers))
     grpo = _grpo_config(resolved)
     max_tokens = resolved.args.max_tokens_per_gpu or 8192
     writer = MetricsWriter(resolved.run_dir, wandb_run=_wandb_run(resolved) if a.enable_wandb else None)
@@ -578,16 +642,21 @@ def run(resolved: ResolvedConfig, *, in_process: bool | None = None, sabotage_sy
 
             placement = RayPlacement.start(resolved)
             engines = start_engines(resolved, spec, placement, sabotage_sync)
-            trainer = _Remote(placement.create_actor(ray.remote(TrainerWorker), 0, "trainer", spec, grpo,
-                                                     max_tokens))
-        connect_engines(trainer, engines)
+            if a.backend == "megatron":  # one actor per training rank, joined in one process group
+                from k3.rl.trainer_group import TrainerGroup
+
+                trainer = TrainerGroup.start(placement, resolved.layout.world_size, spec, grpo, max_tokens)
+            else:
+                trainer = _Remote(placement.create_actor(ray.remote(TrainerWorker), 0, "trainer", spec, grpo,
+                                                         max_tokens))
+        connect_engines(trainer, engines, resolved.layout.rollout_tp_size)
         loop = Loop(resolved, trainer, engines, writer)
         start = 0
         ckpt = latest_checkpoint(resolved.run_dir) if a.resume else None
         if ckpt is not None:
             state = load_checkpoint_state(ckpt)
             trainer.call("load_adapter", str(ckpt))
-            trainer.call("load_optimizer_state", state)
+            load_optimizer_state(trainer, state)
             loop.version = 0
             start = int(state["rollout_id"]) + 1
             writer.write("status", None, status="resumed", checkpoint=str(ckpt), next_rollout=start)
@@ -626,5 +695,6 @@ def _shutdown_engines(engines: list[Any]) -> None:
             print(f"WARNING shutting a rollout engine down failed: {type(e).__name__}: {_last_line(e)}", flush=True)
 
 
-__all__ = ["Loop", "TrainingError", "connect_engines", "latest_checkpoint", "load_checkpoint_state",
-           "prompts_for_rollout", "remove_stale_temp_dirs", "run", "start_engines"]
+__all__ = ["Loop", "TrainingError", "connect_engines", "feeding_ranks", "latest_checkpoint", "load_checkpoint_state",
+           "load_optimizer_state", "optimizer_state", "prompts_for_rollout", "remove_stale_temp_dirs", "run",
+           "start_engines"]

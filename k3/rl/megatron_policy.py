@@ -22,10 +22,10 @@ parallelism (the trainer hands each CP rank two of 2·CP chunks of every sequenc
 takes trajectories ``d, d + DP, …`` of the global batch.
 
 Layout: ``parallel = (TP, EP, PP, CP)`` from the resolved launcher layout; the policy runs under TP, EP (with
-DP) and CP (tests/parity/test_megatron_policy.py: equal to one rank), but the loop starts one trainer process
-only (see ``k3.rl.loop``). Under PP the adapter export streams: each chunk is made by the stage holding its
-layer and broadcast over the PP group, so every rank yields the whole stream while holding about one chunk
-(tests/parity/test_megatron_pp_export.py).
+DP) and CP (tests/parity/test_megatron_policy.py: equal to one rank); the loop runs one policy per training
+rank, each in its own Ray actor (``k3.rl.trainer_group``), every rank given the same trajectories. Under PP
+the adapter export streams: each chunk is made by the stage holding its layer and broadcast over the PP group,
+so every rank yields the whole stream while holding about one chunk (tests/parity/test_megatron_pp_export.py).
 """
 
 from __future__ import annotations

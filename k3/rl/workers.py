@@ -29,7 +29,8 @@ from k3.rl.policy import PolicyTrainer, Trajectory
 class WorkerSpec:
     """What both roles need to build their model: the BF16 checkpoint, LoRA shape, device, dtype; and the
     trainer's backend: ``torch`` (``PolicyTrainer``) or ``megatron`` (``MegatronPolicy``, base weights from the
-    torch_dist ``ref_load`` when set, else ``model_dir``; ``parallel`` = (TP, EP, PP, CP) of the layout)."""
+    torch_dist ``ref_load`` when set, else ``model_dir``; ``parallel`` = (TP, EP, PP, CP) of the layout;
+    ``stage_layers`` = the layers of the first and the last pipeline stage under an uneven split, None: even)."""
 
     model_dir: str
     lora_rank: int
@@ -42,6 +43,7 @@ class WorkerSpec:
     backend: str = "torch"
     ref_load: str | None = None
     parallel: tuple[int, int, int, int] = (1, 1, 1, 1)
+    stage_layers: tuple[int | None, int | None] = (None, None)
 
     def lora_config(self):
         from k3.lora import LoRAConfig
@@ -156,7 +158,8 @@ class TrainerWorker:
 
             self.policy = build_megatron_policy(
                 spec.model_dir, spec.lora_config(), self.tokenizer.pad_id, grpo, max_tokens_per_micro_batch,
-                parallel=spec.parallel, ref_load=spec.ref_load, dtype=spec.torch_dtype(), seed=spec.seed)
+                parallel=spec.parallel, ref_load=spec.ref_load, dtype=spec.torch_dtype(), seed=spec.seed,
+                stage_layers=spec.stage_layers)
         elif spec.backend == "torch":
             self.policy = PolicyTrainer(_load_model(spec), pad_id=self.tokenizer.pad_id, grpo=grpo,
                                         max_tokens_per_micro_batch=max_tokens_per_micro_batch, device=spec.device)
@@ -164,6 +167,14 @@ class TrainerWorker:
             raise ValueError(f"WorkerSpec.backend={spec.backend!r}: expected 'torch' or 'megatron'")
         self.leak = LeakCheck(device=spec.device)
         self._producer = None
+        self._export_only = False
+
+    def export_only(self) -> None:
+        """This rank feeds no engine (recipe §4.5: only the first rank on each engine's GPUs sends): its
+        ``update_weights`` still runs the export, which is collective over TP/EP/PP, and drops every chunk."""
+        if not self._megatron:
+            raise RuntimeError("export_only() is for the megatron backend's ranks; a torch trainer feeds its engine")
+        self._export_only = True
 
     def connect(self, address: str, authkey: bytes, timeout_s: float = 30.0) -> None:
         from k3.transport.handoff import AdapterProducer
@@ -178,6 +189,7 @@ class TrainerWorker:
                     raise
                 time.sleep(0.05)
         self._producer = AdapterProducer(conn, on_bucket=self.leak.track, same_process=_peer_pid(conn) == os.getpid())
+        self._export_only = False
 
     # -- GRPO
     def log_probs(self, trajs: list[Trajectory]) -> list[list[float]]:
@@ -188,11 +200,12 @@ class TrainerWorker:
 
     # -- sync
     def update_weights(self, version: int) -> dict[str, Any]:
-        """Export every adapter chunk of ``version`` and hand them to the engine; memory is sampled before and
-        after (the harness's ``returns_to_baseline``). Returns timings, chunk count and the memory records."""
+        """Export every adapter chunk of ``version`` and hand them to the engine (a rank set to
+        :meth:`export_only` drops them); memory is sampled before and after (the harness's
+        ``returns_to_baseline``). Returns timings, chunk count and the memory records."""
         from k3.lora.export import export_chunks
 
-        if self._producer is None:
+        if self._producer is None and not self._export_only:
             raise RuntimeError("update_weights before connect(): the engine's adapter socket is not open")
         before = self.leak.memory_record("before_update_weights", rank=self.rank)
         t0 = time.perf_counter()
@@ -208,6 +221,10 @@ class TrainerWorker:
 
         from k3.transport.handoff import HandoffError
 
+        if self._producer is None:  # export_only: run the collective stream to its end, send nothing
+            for chunk in counted():
+                del chunk  # one chunk held at a time
+            return self._sync_result(version, n, t0, before, active_version=None, fed=False)
         try:
             ack = self._producer.send_version(counted())
         except HandoffError:
@@ -219,13 +236,17 @@ class TrainerWorker:
             raise
         if not ack.ok:
             raise RuntimeError(f"the engine rejected adapter version {version}: {ack.error}")
+        return self._sync_result(version, n, t0, before, active_version=ack.active_version, fed=True)
+
+    def _sync_result(self, version: int, n: int, t0: float, before: dict[str, Any],
+                     active_version: int | None, fed: bool) -> dict[str, Any]:
         elapsed = time.perf_counter() - t0
         # The first (startup) sync is the warm-up: its end is the baseline every later sync must return to.
         problems = self.leak.end_sync() if self.leak.baseline is not None else (self.leak.set_baseline() and [])
         after = self.leak.memory_record("after_update_weights", rank=self.rank)
         return {"version": version, "chunks": n, "perf/update_weights_time": elapsed,
-                "memory": [before, after], "engine_active_version": ack.active_version,
-                "leak_problems": list(problems)}
+                "memory": [before, after], "engine_active_version": active_version,
+                "fed_engine": fed, "leak_problems": list(problems)}
 
     # -- adapter checkpoints
     def save_adapter(self, directory: str) -> str:

@@ -525,7 +525,9 @@ def test_k3_train_backend_megatron_without_cuda_stops_at_once_naming_backend_tor
     assert not (run / "metrics.jsonl").exists()  # nothing started
 
 
-def test_megatron_loop_refuses_several_training_ranks_for_now(monkeypatch):
+def test_in_process_megatron_loop_refuses_several_training_ranks(monkeypatch):
+    """Several ranks run as Ray actors (k3.rl.trainer_group, tests/parity/test_loop_megatron_multirank.py); one
+    process holds one rank, so an in-process run of a multi-rank layout stops before anything starts."""
     import k3.megatron.backend
     from k3.launch.args import TrainArgs, resolve
     from k3.rl.loop import TrainingError, run
@@ -534,5 +536,6 @@ def test_megatron_loop_refuses_several_training_ranks_for_now(monkeypatch):
     resolved = resolve(TrainArgs(model_variant="4layer", backend="megatron", run_id="t", run_dir="/nonexistent",
                                  ipc_unlink_shim=False))
     assert resolved.layout.world_size == 8
-    with pytest.raises(TrainingError, match="trains on one rank for now, but this layout has 8 training ranks"):
+    with pytest.raises(TrainingError, match="an in-process run .K3_IN_PROCESS=1. trains on one rank, but this "
+                                            "layout has 8 training ranks: run under Ray"):
         run(resolved, in_process=True)
