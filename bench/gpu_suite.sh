@@ -23,14 +23,15 @@ failed=0
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     >>"$BENCH_LOG" 2>&1 || { echo "wheel install failed" >>"$BENCH_LOG"; failed=$((failed + 1)); }
 export PYTHONPATH="/tmp/site:$PWD"
-export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 TRITON_CACHE_DIR=/tmp/triton_cache
+# A step that runs over its limit gets SIGABRT: with PYTHONFAULTHANDLER every thread's Python stack is printed.
+export PYTHONFAULTHANDLER=1 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 TRITON_CACHE_DIR=/tmp/triton_cache
 
 step() {  # step NAME SECONDS LOG COMMAND...: run under a time limit, tee into LOG, count a failure
     local name=$1 limit=$2 log=$3
     shift 3
     local t0=$SECONDS
     echo "=== $name (limit ${limit}s): $*" | tee -a "$log"
-    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$log"
+    timeout --signal=ABRT --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$log"
     local rc=${PIPESTATUS[0]}
     echo "=== $name: exit $rc after $((SECONDS - t0))s" | tee -a "$log"
     [ "$rc" -eq 0 ] || failed=$((failed + 1))

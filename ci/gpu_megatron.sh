@@ -21,7 +21,8 @@ mkdir -p "$OUT"
 LOG="$OUT/gpu_megatron.log"
 exec > >(tee "$LOG") 2>&1
 
-export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 K3_IN_PROCESS=1
+# A step that runs over its limit gets SIGABRT: with PYTHONFAULTHANDLER every thread's Python stack is printed.
+export PYTHONFAULTHANDLER=1 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 K3_IN_PROCESS=1
 export TRITON_CACHE_DIR=/tmp/k3-triton-cache   # pytest's fla kernels are reused by the loop
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 WORK=/tmp/k3-gpu-megatron
@@ -36,7 +37,7 @@ step() {  # step NAME TIMEOUT_S CMD...: run with a timeout, log its time and exi
     echo "== $name (timeout ${limit}s, at $(( $(date +%s) - T0 ))s)"
     echo "\$ $*"
     local t=$(date +%s)
-    timeout --kill-after=10 "$limit" "$@"
+    timeout --signal=ABRT --kill-after=10 "$limit" "$@"
     local rc=$?
     echo "== $name: exit $rc in $(( $(date +%s) - t ))s"
     [[ $rc -eq 0 ]] || FAILED+=("$name (exit $rc)")

@@ -15,14 +15,15 @@ OUT="${OUT:-runs/gpu_megatron_cp}"
 mkdir -p "$OUT"
 exec > >(tee "$OUT/gpu_megatron_cp.log") 2>&1
 
-export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
+# A step that runs over its limit gets SIGABRT: with PYTHONFAULTHANDLER every thread's Python stack is printed.
+export PYTHONFAULTHANDLER=1 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 export TRITON_CACHE_DIR=/tmp/k3-triton-cache
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 timeout 60 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || echo "wheel install failed (exit $?)"
 export PYTHONPATH="/tmp/site:$PWD"
 python3 -c "import torch; print('torch', torch.__version__, '| GPUs', torch.cuda.device_count())"
-timeout --kill-after=10 240 python3 -m pytest -q -s -m gpu -p no:randomly tests/parity/test_megatron_cp.py
+timeout --signal=ABRT --kill-after=10 240 python3 -m pytest -q -s -m gpu -p no:randomly tests/parity/test_megatron_cp.py
 rc=$?
 echo "== gpu_megatron_cp: pytest exit $rc"
 exit $rc
