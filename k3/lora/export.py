@@ -43,7 +43,7 @@ from k3.lora.linear import LoRALinear
 
 __all__ = [
     "AdapterChunk", "ChunkSpec", "ExportError", "chunk_layout", "export_chunks", "load_chunk",
-    "load_adapter_tensors", "save_peft_adapter", "load_peft_adapter", "PEFT_PREFIX",
+    "load_adapter_tensors", "save_peft_adapter", "load_peft_adapter", "read_peft_adapter_config", "PEFT_PREFIX",
     "ADAPTER_CONFIG_NAME", "ADAPTER_WEIGHTS_NAME", "adapter_nbytes",
 ]
 
@@ -314,12 +314,11 @@ def save_peft_adapter(model: nn.Module, directory: str | Path, base_model_name_o
     return directory
 
 
-def load_peft_adapter(model: nn.Module, directory: str | Path) -> nn.Module:
-    """Load a ``save_peft_adapter`` directory into ``model`` (attaching adapters first if it has none).
+def read_peft_adapter_config(directory: str | Path) -> tuple[LoRAConfig, Path, Path]:
+    """The ``LoRAConfig`` of a PEFT adapter directory, with the paths of its config and weights files.
 
-    The directory's rank, alpha and targets must match adapters already on the model. Every adapter tensor
-    must be present with its exact shape. Returns ``model``.
-    """
+    Raises ``FileNotFoundError`` when either file is missing, ``LoRAConfigError`` when the config is not valid
+    JSON or not a LoRA config this project can serve."""
     directory = Path(directory)
     cfg_path, weights_path = directory / ADAPTER_CONFIG_NAME, directory / ADAPTER_WEIGHTS_NAME
     for p in (cfg_path, weights_path):
@@ -330,7 +329,16 @@ def load_peft_adapter(model: nn.Module, directory: str | Path) -> nn.Module:
         raw = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as e:
         raise LoRAConfigError(f"{cfg_path}: not valid JSON: {e}") from e
-    lora = LoRAConfig.from_peft_config(raw, where=str(cfg_path))
+    return LoRAConfig.from_peft_config(raw, where=str(cfg_path)), cfg_path, weights_path
+
+
+def load_peft_adapter(model: nn.Module, directory: str | Path) -> nn.Module:
+    """Load a ``save_peft_adapter`` directory into ``model`` (attaching adapters first if it has none).
+
+    The directory's rank, alpha and targets must match adapters already on the model. Every adapter tensor
+    must be present with its exact shape. Returns ``model``.
+    """
+    lora, cfg_path, weights_path = read_peft_adapter_config(directory)
     have = getattr(model, "lora_config", None)
     if have is None:
         apply_lora(model, lora)

@@ -45,7 +45,7 @@ from k3.checkpoint.names import hf_lora_to_megatron, megatron_lora_to_hf
 from k3.config import K3Config
 from k3.lora.config import LoRAConfig, LoRAConfigError
 from k3.lora.export import (ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, PEFT_PREFIX, AdapterChunk, ChunkSpec,
-                            ExportError, chunk_layout)
+                            ExportError, chunk_layout, read_peft_adapter_config)
 from k3.rl.grpo import GRPOConfig, policy_loss
 from k3.rl.policy import Trajectory
 
@@ -419,17 +419,7 @@ class MegatronPolicy:
 
         from k3.megatron.lora import load_lora
 
-        directory = Path(directory)
-        cfg_path, weights_path = directory / ADAPTER_CONFIG_NAME, directory / ADAPTER_WEIGHTS_NAME
-        for p in (cfg_path, weights_path):
-            if not p.is_file():
-                raise FileNotFoundError(f"{p}: not found (a PEFT adapter directory has {ADAPTER_CONFIG_NAME} and "
-                                        f"{ADAPTER_WEIGHTS_NAME})")
-        try:
-            raw = json.loads(cfg_path.read_text())
-        except json.JSONDecodeError as e:
-            raise LoRAConfigError(f"{cfg_path}: not valid JSON: {e}") from e
-        saved = LoRAConfig.from_peft_config(raw, where=str(cfg_path))
+        saved, cfg_path, weights_path = read_peft_adapter_config(directory)
         have = self.lora
         if (saved.rank, saved.alpha, saved.target_modules) != (have.rank, have.alpha, have.target_modules):
             raise LoRAConfigError(f"{cfg_path}: r={saved.rank}, alpha={saved.alpha:g}, targets "
