@@ -43,7 +43,7 @@ from k3.lora.linear import LoRALinear
 
 __all__ = [
     "AdapterChunk", "ChunkSpec", "ExportError", "chunk_layout", "export_chunks", "load_chunk",
-    "load_adapter_tensors", "save_peft_adapter", "load_peft_adapter", "read_peft_adapter_config", "PEFT_PREFIX",
+    "load_adapter_tensors", "save_peft_adapter", "load_peft_adapter", "read_peft_adapter_config", "write_peft_adapter", "PEFT_PREFIX",
     "ADAPTER_CONFIG_NAME", "ADAPTER_WEIGHTS_NAME", "adapter_nbytes",
 ]
 
@@ -296,18 +296,27 @@ def save_peft_adapter(model: nn.Module, directory: str | Path, base_model_name_o
     Keys are ``base_model.model.`` + the export names, values BF16. Files are written under temporary
     names and renamed, so an interrupted save leaves the previous adapter intact. Returns the directory.
     """
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     _, lora = _model_configs(model)
     tensors: dict[str, torch.Tensor] = {}
     for chunk in export_chunks(model, version=0, device="cpu"):
-        tensors.update((PEFT_PREFIX + n, t) for n, t in chunk.tensors)
+        tensors.update(chunk.tensors)
+    return write_peft_adapter(directory, tensors, lora, base_model_name_or_path)
+
+
+def write_peft_adapter(directory: str | Path, tensors: dict[str, torch.Tensor], lora: LoRAConfig,
+                       base_model_name_or_path: str | None = None) -> Path:
+    """Write export-named adapter ``tensors`` and ``lora``'s config as PEFT files into ``directory``.
+
+    Keys get the ``base_model.model.`` prefix; each file goes under a temporary name and is renamed, so an
+    interrupted save leaves the previous adapter intact. Returns the directory."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
     config = lora.peft_config()
     config["base_model_name_or_path"] = base_model_name_or_path
     config["inference_mode"] = True
     weights_tmp = directory / (ADAPTER_WEIGHTS_NAME + ".tmp")
     config_tmp = directory / (ADAPTER_CONFIG_NAME + ".tmp")
-    save_file(tensors, str(weights_tmp), metadata={"format": "pt"})
+    save_file({PEFT_PREFIX + n: t for n, t in tensors.items()}, str(weights_tmp), metadata={"format": "pt"})
     config_tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     os.replace(weights_tmp, directory / ADAPTER_WEIGHTS_NAME)
     os.replace(config_tmp, directory / ADAPTER_CONFIG_NAME)

@@ -27,15 +27,13 @@ import torch
 from k3.launch.args import ResolvedConfig
 from k3.rl import colocate
 from k3.rl.grpo import GRPOConfig, group_advantages
+from k3.rl.errors import TrainingError
 from k3.rl.metrics import MetricsWriter
 from k3.rl.policy import Trajectory
+from k3.rl.trainer_group import TrainerGroup, merge_rank_states, split_rank_states
 from k3.rl.workers import EngineWorker, TrainerWorker, WorkerSpec
 
 STATE_NAME = "trainer_state.pt"
-
-
-class TrainingError(RuntimeError):
-    """The run cannot go on (a broken sync, an engine that does not serve the new adapter, …)."""
 
 
 # ------------------------------------------------------------------------------------------------ data order
@@ -466,16 +464,12 @@ def optimizer_state(trainer: Any) -> dict[str, Any]:
     """The trainer's optimizer state for a checkpoint: a group's ranks merged (``merge_rank_states``)."""
     if not _is_group(trainer):
         return trainer.call("optimizer_state")
-    from k3.rl.trainer_group import merge_rank_states
-
     return merge_rank_states(trainer.call("optimizer_state"))
 
 
 def load_optimizer_state(trainer: Any, state: dict[str, Any]) -> None:
     """Give every rank its own part of a checkpoint's optimizer state (``split_rank_states``); a checkpoint of
     another rank count raises ``TrainingError``."""
-    from k3.rl.trainer_group import split_rank_states
-
     group = _is_group(trainer)
     try:
         states = split_rank_states(state, trainer.world_size if group else 1)
@@ -643,8 +637,6 @@ def run(resolved: ResolvedConfig, *, in_process: bool | None = None, sabotage_sy
             placement = RayPlacement.start(resolved)
             engines = start_engines(resolved, spec, placement, sabotage_sync)
             if a.backend == "megatron":  # one actor per training rank, joined in one process group
-                from k3.rl.trainer_group import TrainerGroup
-
                 trainer = TrainerGroup.start(placement, resolved.layout.world_size, spec, grpo, max_tokens)
             else:
                 trainer = _Remote(placement.create_actor(ray.remote(TrainerWorker), 0, "trainer", spec, grpo,

@@ -30,9 +30,7 @@ so every rank yields the whole stream while holding about one chunk (tests/parit
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,8 +42,8 @@ import torch.distributed as dist
 from k3.checkpoint.names import hf_lora_to_megatron, megatron_lora_to_hf
 from k3.config import K3Config
 from k3.lora.config import LoRAConfig, LoRAConfigError
-from k3.lora.export import (ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, PEFT_PREFIX, AdapterChunk, ChunkSpec,
-                            ExportError, chunk_layout, read_peft_adapter_config)
+from k3.lora.export import (PEFT_PREFIX, AdapterChunk, ChunkSpec, ExportError, chunk_layout,
+                            read_peft_adapter_config, write_peft_adapter)
 from k3.rl.grpo import GRPOConfig, policy_loss
 from k3.rl.policy import Trajectory
 
@@ -387,26 +385,15 @@ class MegatronPolicy:
         """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (PEFT's layout, BF16, the torch backend's
         ``save_peft_adapter`` files) into ``directory``, atomically per file; global rank 0 writes. Collective
         (``export_chunks``' stream): rank 0 collects the whole adapter on CPU, the others drop each chunk."""
-        from safetensors.torch import save_file
-
         writer = not dist.is_initialized() or dist.get_rank() == 0
         tensors: dict[str, torch.Tensor] = {}
         for chunk in self.export_chunks(self.steps, device="cpu" if writer else None):
             if writer:
-                tensors.update((PEFT_PREFIX + n, t) for n, t in chunk.tensors)
+                tensors.update(chunk.tensors)
             del chunk  # the others hold one chunk at a time
         directory = Path(directory)
         if writer:
-            directory.mkdir(parents=True, exist_ok=True)
-            config = self.lora.peft_config()
-            config["base_model_name_or_path"] = base_model_name_or_path
-            config["inference_mode"] = True
-            weights_tmp = directory / (ADAPTER_WEIGHTS_NAME + ".tmp")
-            config_tmp = directory / (ADAPTER_CONFIG_NAME + ".tmp")
-            save_file(tensors, str(weights_tmp), metadata={"format": "pt"})
-            config_tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-            os.replace(weights_tmp, directory / ADAPTER_WEIGHTS_NAME)
-            os.replace(config_tmp, directory / ADAPTER_CONFIG_NAME)
+            write_peft_adapter(directory, tensors, self.lora, base_model_name_or_path)
         if dist.is_initialized():
             dist.barrier()
         return directory

@@ -27,7 +27,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from k3.rl.loop import TrainingError
+from k3.rl.errors import TrainingError
 
 __all__ = ["TrainerGroup", "TrainerRank", "TrainerRankError", "local_ranks", "merge_rank_states",
            "split_rank_states"]

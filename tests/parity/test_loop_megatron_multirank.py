@@ -32,6 +32,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_checkpoint import write_tiny_checkpoint
 
 LOOP_ARGS = ["--mode", "normal", "--model-variant", "tiny", "--task", "arith", "--backend", "megatron",
              "--num-rollout", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
@@ -43,21 +44,6 @@ NUM_LAYERS = 9  # the tiny variant's
 
 
 # ---------------------------------------------------------------------------------------------- the driver
-def _tiny_checkpoint(root: Path) -> Path:
-    """The tiny K3 (AttnRes queries non-zero so every mix matters) as an HF checkpoint directory."""
-    from k3.config import variant
-    from k3.model import KimiK3ForCausalLM
-
-    torch.manual_seed(0)
-    ref = KimiK3ForCausalLM(variant("tiny").replace(quantization_config=None))
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            if "res_proj" in name:
-                p.normal_(0.0, 0.5)
-    ref.save_pretrained(root / "base")
-    return root / "base"
-
-
 def _two_rank_layout(tp: int, pp: int):
     """Make ``resolve`` give the tiny variant a 2-rank layout of TP ``tp`` × PP ``pp`` (driver process only)."""
     import k3.launch.args as args_mod
@@ -171,7 +157,7 @@ def _driver(root: Path) -> dict:
     from k3.rl.arith import write_arith_dataset
 
     k3.megatron.backend.require_cuda = lambda: None  # the CPU path under the compatibility module
-    base = _tiny_checkpoint(root)
+    base = write_tiny_checkpoint(root)
     write_arith_dataset(root / "data" / "arith", n_train=64, n_eval=8, seed=0)
     argv = [*LOOP_ARGS, "--hf-checkpoint", str(base), "--data-dir", str(root / "data")]
     out: dict = {"time": {}}

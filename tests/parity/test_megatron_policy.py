@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_checkpoint import write_tiny_checkpoint
 
 RANK, ALPHA = 4, 8.0
 STEPS = 3
@@ -33,21 +34,6 @@ ADVANTAGES = (1.0, -0.5, 0.7, -1.2, 0.3, -0.3)
 
 
 # ---------------------------------------------------------------------------------------------- the workers
-def _tiny_checkpoint(root: Path) -> Path:
-    """The tiny K3 (AttnRes queries non-zero so every mix matters) written as an HF checkpoint directory."""
-    from k3.config import variant
-    from k3.model import KimiK3ForCausalLM
-
-    torch.manual_seed(0)
-    ref = KimiK3ForCausalLM(variant("tiny").replace(quantization_config=None))
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            if "res_proj" in name:
-                p.normal_(0.0, 0.5)
-    ref.save_pretrained(root / "base")
-    return root / "base"
-
-
 def _trajectories(vocab: int):
     from k3.rl.policy import Trajectory
 
@@ -87,7 +73,7 @@ def _policy_worker(root: Path) -> dict:
     from k3.rl.megatron_policy import build_megatron_policy
     from k3.rl.policy import PolicyTrainer, Trajectory
 
-    base = _tiny_checkpoint(root)
+    base = write_tiny_checkpoint(root)
     lora = LoRAConfig(rank=RANK, alpha=ALPHA)
     grpo = GRPOConfig(lr=5e-3, weight_decay=0.1, clip_grad=1.0)
     policy = build_megatron_policy(base, lora, pad_id=0, grpo=grpo, max_tokens_per_micro_batch=MAX_TOKENS, seed=3)
@@ -251,7 +237,7 @@ def _loop_worker(root: Path) -> dict:
     from k3.rl.arith import write_arith_dataset
 
     k3.megatron.backend.require_cuda = lambda: None  # the CPU path under the compatibility module
-    base = _tiny_checkpoint(root)
+    base = write_tiny_checkpoint(root)
     write_arith_dataset(root / "data" / "arith", n_train=64, n_eval=8, seed=0)
     dcp = root / "dcp"
     convert_hf_to_dist(base, dcp, dtype=torch.float32, progress=False)

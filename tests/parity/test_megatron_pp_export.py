@@ -179,9 +179,9 @@ def _worker(root: Path) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     if rank == 0:
-        import test_megatron_policy
+        from tiny_checkpoint import write_tiny_checkpoint
 
-        test_megatron_policy._tiny_checkpoint(root)
+        write_tiny_checkpoint(root)
     dist.barrier()
     lora = LoRAConfig(rank=RANK, alpha=ALPHA)
     grpo = GRPOConfig(lr=5e-4, weight_decay=0.1, clip_grad=1.0)
