@@ -34,6 +34,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from k3.kernels.fla_tuning import pin_fla_configs
 from k3.kernels.kda_chunk import DEFAULT_CHUNK_SIZE, chunk_kda
 from k3.kernels.kda_naive import naive_recurrent_kda
 
@@ -48,6 +49,8 @@ FLA_SAFE_GATE_RANGE = (-5.0, 0.0)
 @functools.cache
 def _fla_ops():
     """``(chunk_kda, fused_recurrent_kda)`` from fla, or None when fla (or its Triton) cannot be imported."""
+    if torch.cuda.is_available():  # before fla's first import: it reads its config mode once
+        pin_fla_configs(torch.cuda.get_device_name(0))
     try:
         from fla.ops.kda import chunk_kda as fla_chunk_kda
         from fla.ops.kda import fused_recurrent_kda as fla_fused_recurrent_kda

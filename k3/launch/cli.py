@@ -24,6 +24,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("make-checkpoint", "k3.checkpoint.cli:make_checkpoint"),
     ("prepare-data", "k3.rl.cli:prepare_data"),
     ("train", "k3.launch.train:train"),
+    ("record-fla-tuning", "k3.kernels.fla_tuning:record_fla_tuning"),
 ]
 # (group name, "module:typer app")
 GROUPS: list[tuple[str, str]] = [

@@ -1,0 +1,182 @@
+"""Pinned fla autotune results: tune fla's KDA kernels once per GPU model, reuse the choice on every host.
+
+fla 0.6.0 autotunes each Triton kernel the first time it meets a new key (head count, head dims, chunk size,
+dtypes), and compiles every candidate config to do so, one after the other. On an H200 that costs 82 s for
+the tiny model's first forward and another 151 s for its first backward (``ci/gpu_fla_probe.py``,
+docs/PERFORMANCE.md); the second calls take 2 and 4 ms. A fresh host pays it again, so a short GPU job
+spends most of its time choosing configs.
+
+fla can read the choice from JSON files instead (``fla/ops/utils/cache.py``: ``FLA_CONFIG_DIR`` holds
+``{kernel}.json`` with ``autotune_entries`` keyed by the md5 of Triton's tuning key; ``FLA_CACHE_MODE`` says how
+to look them up). This module
+
+- records: turns Triton's ``TRITON_PRINT_AUTOTUNING=1`` output into such files
+  (``k3 record-fla-tuning LOG... --out DIR``), merging with the files already there;
+- pins: before fla is first imported, points fla at the files shipped in ``k3/kernels/fla_tuned/<GPU>/``
+  for this GPU in ``strict`` mode: only an exact key (same kernel, shapes class and dtypes) reuses a recorded
+  config; every other key is autotuned as before. Nothing is pinned when the user set ``FLA_CONFIG_DIR`` or
+  ``FLA_CACHE_MODE`` (theirs wins), when ``K3_FLA_PINNED_CONFIGS=0``, when no files were recorded for this
+  GPU, or when the installed fla-core is not the version they were recorded with.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib.metadata
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+__all__ = ["SHIPPED", "TunedConfig", "gpu_dir_name", "key_hash", "parse_autotune_log", "pin_fla_configs",
+           "record_fla_tuning", "write_config_dir"]
+
+SHIPPED = Path(__file__).with_name("fla_tuned")
+MANIFEST = "manifest.json"  # not a kernel name: fla only opens {kernel}.json for kernels it runs
+_LAUNCH_FIELDS = ("num_warps", "num_ctas", "num_stages", "maxnreg")
+
+_BLOCK = re.compile(
+    r"Triton autotuning for function (?P<kernel>\w+),\s*\n"
+    r"with key as (?P<key>\(.*\)),\s*\n"
+    r"finished after [0-9.]+s,\s*\n"
+    r"best config selected: (?P<config>[^;\n]*);")
+
+
+@dataclass(frozen=True)
+class TunedConfig:
+    """One autotune result: the kernel, Triton's tuning key, and the config it chose."""
+
+    kernel: str
+    key: tuple
+    kwargs: dict[str, Any] = field(hash=False)
+    num_warps: int = 4
+    num_stages: int = 3
+    num_ctas: int = 1
+    maxnreg: int | None = None
+
+    def as_fla_config(self) -> dict[str, Any]:
+        """The ``config`` field fla reads (``CachedAutotuner.maybe_load_cached_config``)."""
+        return {"kwargs": dict(self.kwargs), "num_warps": self.num_warps, "num_stages": self.num_stages,
+                "num_ctas": self.num_ctas, "maxnreg": self.maxnreg}
+
+
+def key_hash(key: tuple | list) -> str:
+    """fla's entry id for a tuning key: md5 of its compact, key-sorted JSON (``AutotuneKey.key_hash``)."""
+    return hashlib.md5(json.dumps(list(key), separators=(",", ":"), sort_keys=True).encode()).hexdigest()
+
+
+def _parse_config(text: str, where: str) -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    for part in text.split(","):
+        name, sep, value = part.partition(":")
+        if not sep:
+            raise ValueError(f"{where}: config {text!r}: expected 'name: value' pairs")
+        fields[name.strip()] = ast.literal_eval(value.strip())
+    missing = [f for f in ("num_warps", "num_stages") if f not in fields]
+    if missing:
+        raise ValueError(f"{where}: config {text!r} has no {', '.join(missing)}")
+    return fields
+
+
+def parse_autotune_log(text: str, source: str = "log") -> list[TunedConfig]:
+    """Every ``Triton autotuning for function ...`` block of a log, in order (Triton 3.x's format).
+
+    Args:
+        text: what a process printed with ``TRITON_PRINT_AUTOTUNING=1`` (other lines are skipped).
+        source: a name for error messages.
+
+    Raises:
+        ValueError: a block whose key or config cannot be read.
+    """
+    found = []
+    for m in _BLOCK.finditer(text):
+        where = f"{source}: {m['kernel']}"
+        try:
+            key = ast.literal_eval(m["key"])
+        except (ValueError, SyntaxError) as e:
+            raise ValueError(f"{where}: tuning key {m['key'][:80]!r} is not a Python literal ({e})") from None
+        if not isinstance(key, tuple):
+            raise ValueError(f"{where}: tuning key {m['key'][:80]!r}: expected a tuple")
+        fields = _parse_config(m["config"], where)
+        launch = {f: fields.pop(f) for f in _LAUNCH_FIELDS if f in fields}
+        found.append(TunedConfig(m["kernel"], key, fields, **launch))
+    return found
+
+
+def write_config_dir(configs: list[TunedConfig], out_dir: Path, versions: dict[str, str] | None = None
+                     ) -> list[Path]:
+    """Write (or merge into) fla's ``{kernel}.json`` files under ``out_dir``; a later result for the same key
+    replaces an earlier one. ``versions`` (e.g. ``{"fla-core": "0.6.0", "triton": "3.6.0"}``) go into
+    ``manifest.json``, which :func:`pin_fla_configs` checks. Returns the kernel files written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    by_kernel: dict[str, list[TunedConfig]] = {}
+    for c in configs:
+        by_kernel.setdefault(c.kernel, []).append(c)
+    written = []
+    for kernel, items in sorted(by_kernel.items()):
+        path = out_dir / f"{kernel}.json"
+        data = json.loads(path.read_text()) if path.exists() else {"kernel_name": kernel, "autotune_entries": {}}
+        for c in items:
+            data["autotune_entries"][key_hash(c.key)] = {"autotune_key": list(c.key), "config": c.as_fla_config()}
+        path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        written.append(path)
+    if versions:
+        manifest = out_dir / MANIFEST
+        old = json.loads(manifest.read_text()) if manifest.exists() else {}
+        if old and {k: old.get(k) for k in versions} != versions:
+            raise ValueError(f"{out_dir}: recorded with {old}, these results come from {versions}: write them "
+                             "to a new directory")
+        manifest.write_text(json.dumps({**old, **versions}, indent=1, sort_keys=True) + "\n")
+    return written
+
+
+def gpu_dir_name(device_name: str) -> str:
+    """fla's directory name for a GPU (``sanitize_gpu_name``): ``NVIDIA H200`` → ``NVIDIA_H200``."""
+    return re.sub(r"[^0-9A-Za-z]+", "_", device_name).strip("_") or "unknown_gpu"
+
+
+def pin_fla_configs(device_name: str | None, root: Path = SHIPPED) -> Path | None:
+    """Point fla at the recorded configs for ``device_name`` (see the module docstring); call before fla's first
+    import. Returns the directory pinned, or None when nothing was pinned."""
+    if device_name is None or os.environ.get("K3_FLA_PINNED_CONFIGS", "1") == "0":
+        return None
+    if "FLA_CONFIG_DIR" in os.environ or "FLA_CACHE_MODE" in os.environ or "fla.ops.utils.cache" in sys.modules:
+        return None
+    folder = root / gpu_dir_name(device_name)
+    try:
+        recorded = json.loads((folder / MANIFEST).read_text()).get("fla-core")
+        installed = importlib.metadata.version("fla-core")
+    except (OSError, ValueError, importlib.metadata.PackageNotFoundError):
+        return None
+    if recorded != installed:
+        return None
+    os.environ["FLA_CONFIG_DIR"] = str(folder)
+    os.environ["FLA_CACHE_MODE"] = "strict"
+    return folder
+
+
+def record_fla_tuning(
+    logs: Annotated[list[Path], typer.Argument(help="logs of runs made with TRITON_PRINT_AUTOTUNING=1")],
+    out: Annotated[Path, typer.Option(help="config folder, e.g. k3/kernels/fla_tuned/NVIDIA_H200 (merged into)")],
+    fla_core: Annotated[str, typer.Option(help="fla-core version the logs were made with")],
+    triton: Annotated[str, typer.Option(help="Triton version the logs were made with")],
+) -> None:
+    """Record Triton's autotune results (printed with TRITON_PRINT_AUTOTUNING=1) as fla config files, which
+    k3 pins on every host with that GPU (k3/kernels/fla_tuning.py)."""
+    configs = []
+    for log in logs:
+        try:
+            configs += parse_autotune_log(log.read_text(errors="replace"), str(log))
+        except OSError as e:
+            raise typer.BadParameter(f"{log}: {e.strerror}") from None
+    if not configs:
+        raise typer.BadParameter("no 'Triton autotuning for function' blocks found: run with "
+                                 "TRITON_PRINT_AUTOTUNING=1")
+    written = write_config_dir(configs, out, {"fla-core": fla_core, "triton": triton})
+    typer.echo(f"{len(configs)} results, {len(written)} kernels -> {out}")

@@ -1,0 +1,150 @@
+"""Pinned fla autotune results (k3/kernels/fla_tuning.py): Triton's autotune printout parsed into fla's config
+files, the md5 entry ids fla looks up, merging, and when pinning happens (CPU; no fla or Triton needed)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+
+import pytest
+
+from k3.kernels import fla_tuning
+from k3.kernels.fla_tuning import (SHIPPED, TunedConfig, gpu_dir_name, key_hash, parse_autotune_log,
+                                   pin_fla_configs, write_config_dir)
+
+# Two blocks as Triton 3.6 prints them (from ci/gpu_fla_probe.py on the H200), with the candidates' lines and
+# an unrelated line between them.
+LOG = """\
+Autotuning kernel chunk_local_cumsum_vector_kernel with config BS: 32, num_warps: 2, num_ctas: 1, num_stages: 3, maxnreg: None
+Triton autotuning for function chunk_local_cumsum_vector_kernel,
+with key as (16, 4, 16, 64, False, False, 'torch.float32', 'torch.float32'),
+finished after 2.22s,
+best config selected: BS: 32, num_warps: 8, num_ctas: 1, num_stages: 3, maxnreg: None;
+{"case": "tiny_bf16_fwd", "call": 0, "seconds": 82.2762, "finite": true}
+Triton autotuning for function chunk_gla_fwd_kernel_o,
+with key as (64, 4, False, 16, 16, 'torch.bfloat16', 'torch.bfloat16', 'torch.float32', 'torch.bfloat16', 'torch.bfloat16', 'torch.bfloat16'),
+finished after 27.09s,
+best config selected: BK: 64, BV: 64, num_warps: 4, num_ctas: 1, num_stages: 2, maxnreg: None;
+"""
+
+
+def test_parse_reads_kernel_key_and_config():
+    cumsum, gla = parse_autotune_log(LOG)
+    assert cumsum == TunedConfig("chunk_local_cumsum_vector_kernel",
+                                 (16, 4, 16, 64, False, False, "torch.float32", "torch.float32"), {"BS": 32},
+                                 num_warps=8, num_stages=3, num_ctas=1, maxnreg=None)
+    assert gla.kernel == "chunk_gla_fwd_kernel_o" and gla.kwargs == {"BK": 64, "BV": 64}
+    assert (gla.num_warps, gla.num_stages) == (4, 2)
+    assert gla.key[:5] == (64, 4, False, 16, 16) and gla.key[5] == "torch.bfloat16"
+
+
+def test_key_hash_is_flas_md5_of_compact_sorted_json():
+    key = (16, 4, 16, 64, False, False, "torch.float32", "torch.float32")
+    text = '[16,4,16,64,false,false,"torch.float32","torch.float32"]'
+    assert key_hash(key) == hashlib.md5(text.encode()).hexdigest() == key_hash(list(key))
+
+
+def test_write_merges_entries_and_later_results_replace_earlier(tmp_path):
+    first = parse_autotune_log(LOG)
+    write_config_dir(first, tmp_path, {"fla-core": "0.6.0", "triton": "3.6.0"})
+    again = TunedConfig(first[0].kernel, first[0].key, {"BS": 64}, num_warps=2, num_stages=3)
+    other = TunedConfig(first[0].kernel, (1, 4, 16, 64, False, False, "torch.float32", "torch.float32"),
+                        {"BS": 32}, num_warps=4, num_stages=3)
+    written = write_config_dir([again, other], tmp_path, {"fla-core": "0.6.0", "triton": "3.6.0"})
+    assert written == [tmp_path / "chunk_local_cumsum_vector_kernel.json"]
+    data = json.loads(written[0].read_text())
+    entries = data["autotune_entries"]
+    assert set(entries) == {key_hash(first[0].key), key_hash(other.key)}
+    assert entries[key_hash(first[0].key)] == {
+        "autotune_key": list(first[0].key),
+        "config": {"kwargs": {"BS": 64}, "num_warps": 2, "num_stages": 3, "num_ctas": 1, "maxnreg": None}}
+    assert json.loads((tmp_path / "manifest.json").read_text()) == {"fla-core": "0.6.0", "triton": "3.6.0"}
+    assert (tmp_path / "chunk_gla_fwd_kernel_o.json").exists()
+
+
+def test_results_of_another_fla_version_need_their_own_folder(tmp_path):
+    write_config_dir(parse_autotune_log(LOG), tmp_path, {"fla-core": "0.6.0", "triton": "3.6.0"})
+    with pytest.raises(ValueError, match="recorded with .*0.6.0.*new directory"):
+        write_config_dir(parse_autotune_log(LOG), tmp_path, {"fla-core": "0.7.0", "triton": "3.6.0"})
+
+
+@pytest.mark.parametrize("bad, match", [
+    (LOG.replace("(16, 4, 16, 64,", "(16, 4, oops, 64,"), "not a Python literal"),
+    (LOG.replace("BS: 32, num_warps: 8", "BS 32, num_warps: 8"), "name: value"),
+    (LOG.replace("num_warps: 4, num_ctas: 1, num_stages: 2, maxnreg: None;", "num_ctas: 1;"), "no num_warps"),
+])
+def test_unreadable_blocks_are_clear_errors(bad, match):
+    with pytest.raises(ValueError, match=match):
+        parse_autotune_log(bad, "probe.log")
+
+
+def test_gpu_dir_name_is_flas():
+    assert gpu_dir_name("NVIDIA H200") == "NVIDIA_H200"
+    assert gpu_dir_name("NVIDIA H100 80GB HBM3") == "NVIDIA_H100_80GB_HBM3"
+    assert gpu_dir_name("--") == "unknown_gpu"
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for var in ("FLA_CONFIG_DIR", "FLA_CACHE_MODE", "K3_FLA_PINNED_CONFIGS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.delitem(sys.modules, "fla.ops.utils.cache", raising=False)
+    monkeypatch.setattr(fla_tuning.importlib.metadata, "version", lambda name: {"fla-core": "0.6.0"}[name])
+    return monkeypatch
+
+
+def test_pin_points_fla_at_the_shipped_h200_folder_in_strict_mode(clean_env):
+    import os
+
+    assert pin_fla_configs("NVIDIA H200") == SHIPPED / "NVIDIA_H200"
+    assert os.environ["FLA_CONFIG_DIR"] == str(SHIPPED / "NVIDIA_H200")
+    assert os.environ["FLA_CACHE_MODE"] == "strict"
+    recorded = json.loads((SHIPPED / "NVIDIA_H200" / "manifest.json").read_text())
+    assert recorded["fla-core"] == "0.6.0"
+    for path in (SHIPPED / "NVIDIA_H200").glob("*.json"):  # every shipped file is one fla accepts
+        data = json.loads(path.read_text())
+        if path.name != "manifest.json":
+            assert data["kernel_name"] == path.stem
+            assert all(key_hash(e["autotune_key"]) == h for h, e in data["autotune_entries"].items())
+
+
+def test_nothing_is_pinned_when_the_user_decides_or_nothing_fits(clean_env, tmp_path):
+    import os
+
+    assert pin_fla_configs(None) is None  # no GPU
+    assert pin_fla_configs("NVIDIA A100-SXM4-80GB") is None  # nothing recorded for it
+    clean_env.setattr(fla_tuning.importlib.metadata, "version", lambda name: "0.7.0")
+    assert pin_fla_configs("NVIDIA H200") is None  # recorded with another fla-core
+    clean_env.setattr(fla_tuning.importlib.metadata, "version", lambda name: "0.6.0")
+    clean_env.setenv("K3_FLA_PINNED_CONFIGS", "0")
+    assert pin_fla_configs("NVIDIA H200") is None
+    clean_env.delenv("K3_FLA_PINNED_CONFIGS")
+    clean_env.setenv("FLA_CACHE_MODE", "disabled")
+    assert pin_fla_configs("NVIDIA H200") is None and os.environ["FLA_CACHE_MODE"] == "disabled"
+    clean_env.delenv("FLA_CACHE_MODE")
+    clean_env.setitem(sys.modules, "fla.ops.utils.cache", object())  # too late: fla read its mode already
+    assert pin_fla_configs("NVIDIA H200") is None
+    assert "FLA_CONFIG_DIR" not in os.environ
+
+
+def test_record_command_writes_the_folder_and_refuses_logs_without_results(tmp_path):
+    from typer.testing import CliRunner
+
+    from k3.launch.cli import _register, app
+
+    _register()
+    log = tmp_path / "probe.log"
+    log.write_text(LOG)
+    runner = CliRunner()
+    result = runner.invoke(app, ["record-fla-tuning", str(log), "--out", str(tmp_path / "cfg"),
+                                 "--fla-core", "0.6.0", "--triton", "3.6.0"])
+    assert result.exit_code == 0, result.output
+    assert "2 results, 2 kernels" in result.output
+    assert sorted(p.name for p in (tmp_path / "cfg").iterdir()) == [
+        "chunk_gla_fwd_kernel_o.json", "chunk_local_cumsum_vector_kernel.json", "manifest.json"]
+    log.write_text("nothing tuned\n")
+    result = runner.invoke(app, ["record-fla-tuning", str(log), "--out", str(tmp_path / "cfg2"),
+                                 "--fla-core", "0.6.0", "--triton", "3.6.0"])
+    assert result.exit_code == 2 and "TRITON_PRINT_AUTOTUNING=1" in result.output
+    assert not (tmp_path / "cfg2").exists()
