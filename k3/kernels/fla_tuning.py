@@ -17,6 +17,10 @@ to look them up). This module
   config; every other key is autotuned as before. Nothing is pinned when the user set ``FLA_CONFIG_DIR`` or
   ``FLA_CACHE_MODE`` (theirs wins), when ``K3_FLA_PINNED_CONFIGS=0``, when no files were recorded for this
   GPU, or when the installed fla-core is not the version they were recorded with.
+
+Where only the numbers matter (the GPU parity tests), ``FLA_CACHE_MODE=full`` with ``FLA_CONFIG_DIR`` set to
+the folder uses a recorded config for *every* key (fla's fuzzy match, then the kernel's ``default_config``), so
+nothing autotunes and each kernel compiles once: correct results, not necessarily the fastest configs.
 """
 
 from __future__ import annotations
@@ -112,7 +116,7 @@ def parse_autotune_log(text: str, source: str = "log") -> list[TunedConfig]:
 def write_config_dir(configs: list[TunedConfig], out_dir: Path, versions: dict[str, str] | None = None
                      ) -> list[Path]:
     """Write (or merge into) fla's ``{kernel}.json`` files under ``out_dir``; a later result for the same key
-    replaces an earlier one. ``versions`` (e.g. ``{"fla-core": "0.6.0", "triton": "3.6.0"}``) go into
+    replaces an earlier one; a kernel's first result also becomes its ``default_config``. ``versions`` (e.g. ``{"fla-core": "0.6.0", "triton": "3.6.0"}``) go into
     ``manifest.json``, which :func:`pin_fla_configs` checks. Returns the kernel files written."""
     out_dir.mkdir(parents=True, exist_ok=True)
     by_kernel: dict[str, list[TunedConfig]] = {}
@@ -124,6 +128,8 @@ def write_config_dir(configs: list[TunedConfig], out_dir: Path, versions: dict[s
         data = json.loads(path.read_text()) if path.exists() else {"kernel_name": kernel, "autotune_entries": {}}
         for c in items:
             data["autotune_entries"][key_hash(c.key)] = {"autotune_key": list(c.key), "config": c.as_fla_config()}
+        # Read only in fla's full/default modes (a key recorded nowhere); strict mode, k3's, never uses it.
+        data.setdefault("default_config", items[0].as_fla_config())
         path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
         written.append(path)
     if versions:

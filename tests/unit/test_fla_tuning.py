@@ -59,6 +59,9 @@ def test_write_merges_entries_and_later_results_replace_earlier(tmp_path):
     assert entries[key_hash(first[0].key)] == {
         "autotune_key": list(first[0].key),
         "config": {"kwargs": {"BS": 64}, "num_warps": 2, "num_stages": 3, "num_ctas": 1, "maxnreg": None}}
+    # the first result stays the default (fla's full mode), later ones do not move it
+    assert data["default_config"] == {"kwargs": {"BS": 32}, "num_warps": 8, "num_stages": 3, "num_ctas": 1,
+                                      "maxnreg": None}
     assert json.loads((tmp_path / "manifest.json").read_text()) == {"fla-core": "0.6.0", "triton": "3.6.0"}
     assert (tmp_path / "chunk_gla_fwd_kernel_o.json").exists()
 
