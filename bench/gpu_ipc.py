@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from k3.lora.export import AdapterChunk
+from k3.transport import handoff
 from k3.transport.handoff import (
     AdapterProducer,
     AdapterReceiver,
@@ -39,6 +40,7 @@ from k3.transport.handoff import (
 from k3.transport.leakcheck import LeakCheck
 
 GOAL_RATIO = 0.5
+_FLATTEN_INTO, _SYNC_DEVICE = handoff.flatten_into, handoff._sync_device
 _MiB = 1 << 20
 
 
@@ -73,6 +75,57 @@ def copy_anchor(nbytes: int, device: torch.device, repeats: int) -> float:
     return statistics.median(times)
 
 
+class PhaseTimer:
+    """Producer-side split of each sync's time (ms): ``stage`` (copy into the bucket + stream sync), ``send``
+    (pickling the bucket's IPC handle + the pipe write), ``receiver`` (send done -> ack read: the receiver's
+    unpickle/handle open, copy out, sync and ack), ``release`` (dropping the bucket + ``ipc_collect``)."""
+
+    PHASES = ("stage", "send", "receiver", "release")
+
+    def __init__(self) -> None:
+        self.current: dict[str, float] = {}
+        self.per_sync: list[dict[str, float]] = []
+
+    def wrap(self, phase: str, fn):
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.current[phase] = self.current.get(phase, 0.0) + 1e3 * (time.perf_counter() - t0)
+        return timed
+
+    def end_sync(self) -> None:
+        self.per_sync.append(self.current)
+        self.current = {}
+
+    def medians(self) -> dict[str, float]:
+        return {p: statistics.median(s.get(p, 0.0) for s in self.per_sync) for p in self.PHASES}
+
+
+class _TimedConn:
+    """The producer's connection with ``send`` timed (everything else passes through)."""
+
+    def __init__(self, conn, timer: PhaseTimer) -> None:
+        self._conn = conn
+        self.send = timer.wrap("send", conn.send)
+
+    def __getattr__(self, name):
+        return getattr(self._conn, name)
+
+
+def _instrument(producer: AdapterProducer, timer: PhaseTimer) -> None:
+    producer.conn = _TimedConn(producer.conn, timer)
+    producer._wait_ack = timer.wrap("receiver", producer._wait_ack)
+    producer._release = timer.wrap("release", producer._release)
+    if producer.transfer_buffer is not None:
+        producer.transfer_buffer.stage = timer.wrap("stage", producer.transfer_buffer.stage)
+    else:  # the fresh-bucket path stages inline: time its copy and its sync
+        handoff.flatten_into = timer.wrap("stage", _FLATTEN_INTO)
+        handoff._sync_device = timer.wrap("stage", _SYNC_DEVICE)
+
+
 def run_mode(shapes, tensors, device: torch.device, syncs: int, buffered: bool, leak: bool = False) -> dict:
     """One receiver process, ``syncs`` gated syncs after a warm-up; ``leak`` keeps every fresh bucket alive."""
     expected = dict(shapes)
@@ -88,6 +141,8 @@ def run_mode(shapes, tensors, device: torch.device, syncs: int, buffered: bool, 
 
     buffer = TransferBuffer(device, torch.bfloat16) if buffered else None
     producer = AdapterProducer(conn, transfer_buffer=buffer, ack_timeout_s=300, on_bucket=on_bucket)
+    timer = PhaseTimer()
+    _instrument(producer, timer)
     names = [n for n, _ in shapes]
     times, problems_per_sync = [], []
     try:
@@ -105,7 +160,10 @@ def run_mode(shapes, tensors, device: torch.device, syncs: int, buffered: bool, 
                 raise RuntimeError(f"sync {v}: receiver answered {ack}")
             if v >= 2:
                 times.append(dt)
+                timer.end_sync()
                 problems_per_sync.append(gate.end_sync())
+            else:
+                timer.current = {}
         report = gate.report()
         base = gate.baseline
         if device.type == "cuda":
@@ -118,7 +176,7 @@ def run_mode(shapes, tensors, device: torch.device, syncs: int, buffered: bool, 
             "mode": ("persistent transfer buffer" if buffered else "fresh bucket per chunk") + (
                 ", planted leak" if leak else ""),
             "syncs": len(times), "sync_ms_median": 1e3 * statistics.median(times), "sync_ms_min": 1e3 * min(times),
-            "sync_ms_max": 1e3 * max(times),
+            "sync_ms_max": 1e3 * max(times), "phases_ms_median": timer.medians(),
             "max_excess_after_sync_mib": max(excess) / _MiB, "reserved_growth_mib": reserved_growth / _MiB,
             "buffer_mib": (buffer.capacity * 2 / _MiB) if buffer is not None else 0.0,
             "gate_ok": report.ok, "first_bad_sync": report.first_bad_sync,
@@ -126,6 +184,7 @@ def run_mode(shapes, tensors, device: torch.device, syncs: int, buffered: bool, 
             "syncs_with_problems": sum(1 for p in problems_per_sync if p),
         }
     finally:
+        handoff.flatten_into, handoff._sync_device = _FLATTEN_INTO, _SYNC_DEVICE
         kept.clear()
         producer.close()
         proc.join(timeout=120)
@@ -182,6 +241,9 @@ def markdown(result: dict) -> str:
         lines.append(f"| {r['mode']} | {r['syncs']} | {r['sync_ms_median']:.2f} | {r['sync_ms_min']:.2f} | "
                      f"{r['sync_ms_max']:.2f} | {r['handoff_gb_per_s']:.0f} | {100 * r['ratio_to_d2d_copy']:.0f}% | "
                      f"{'yes' if r['meets_goal'] else 'NO'} | {r['max_excess_after_sync_mib']:.3f} | {gate} |")
+    lines += ["", "Where a sync's time goes (producer side, median ms): " + "; ".join(
+        f"{r['mode']}: " + ", ".join(f"{p} {ms:.3f}" for p, ms in r["phases_ms_median"].items())
+        for r in result["rows"])]
     leak = result["planted_leak"]
     lines += ["", (f"planted leak (producer keeps every bucket, {leak['syncs']} syncs): "
               f"{'caught at sync 0' if leak['caught'] else 'NOT caught as expected'}; "

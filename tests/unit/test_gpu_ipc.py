@@ -56,6 +56,10 @@ def check_result(result: dict, syncs: int) -> None:
         assert r["syncs"] == syncs and r["gate_ok"] and r["syncs_with_problems"] == 0
         assert r["ratio_to_d2d_copy"] == pytest.approx(r["handoff_gb_per_s"] / result["d2d_copy"]
                                                        ["gb_per_s_read_plus_write"])
+        # every phase was timed and together they stay within the sync's own time
+        phases = r["phases_ms_median"]
+        assert set(phases) == {"stage", "send", "receiver", "release"} and all(v > 0 for v in phases.values())
+        assert phases["receiver"] < r["sync_ms_max"] and phases["stage"] < r["sync_ms_max"]
     assert rows["persistent transfer buffer"]["buffer_mib"] >= result["chunk"]["mib"]
     leak = result["planted_leak"]
     assert leak["caught"] and not leak["gate_ok"] and leak["first_bad_sync"] == 0
