@@ -80,8 +80,9 @@ class ChunkHeader:
     shapes: tuple[tuple[int, ...], ...]
     dtype: torch.dtype
     config: dict[str, Any] = field(default_factory=dict)
-    # The bucket is a view of the producer's persistent TransferBuffer: the receiver keeps its mapping until the
-    # version's last chunk, so the next chunk's handle hits torch's shared-storage cache instead of reopening it.
+    # The bucket is a view of the producer's persistent TransferBuffer: the receiver keeps it mapped from chunk to
+    # chunk and version to version (the producer holds that memory for the whole run anyway), so every later
+    # chunk's handle hits torch's shared-storage cache instead of opening and closing the mapping again.
     persistent: bool = False
 
     @property
@@ -540,7 +541,7 @@ def serve(conn: Connection, receiver: AdapterReceiver) -> None:
     Works on any ``multiprocessing`` connection — a spawned child's pipe, or a Unix socket between two
     unrelated processes such as two Ray actors (CPU buckets travel as named ``/dev/shm`` files, CUDA buckets
     as IPC handles)."""
-    held: list[torch.Tensor] = []  # the persistent buffer's mapping, kept while a version streams
+    held: list[torch.Tensor] = []  # the persistent buffer's mapping, kept until another bucket or the close
     while True:
         try:
             msg = conn.recv()
@@ -554,9 +555,10 @@ def serve(conn: Connection, receiver: AdapterReceiver) -> None:
             bucket = _LOCAL_BUCKETS.pop(bucket.key)
         ack = receiver.receive(header, bucket)
         # A fresh bucket's mapping is dropped before the ack (the producer frees it on the ack). A view of the
-        # persistent buffer stays mapped until the version's last chunk: reopening a CUDA IPC handle per chunk
-        # cost more than the copies. After the last chunk nothing is held, so memory is back at baseline.
-        held[:] = [bucket] if header.persistent and not header.is_last and ack.ok else []
+        # persistent buffer stays mapped across chunks and versions: opening a CUDA IPC handle per sync costs
+        # about as much as the copies. A grown buffer's first chunk replaces the old mapping (which lets the
+        # producer's old block go); the close drops the last one.
+        held[:] = [bucket] if header.persistent and ack.ok else []
         del bucket
         conn.send(ack)
 
