@@ -110,8 +110,8 @@ EOF
 # After the loop (the loop's result matters most); per-test limits print the stacks of a test that runs over.
 # Parity needs correct numbers, not the fastest configs: fla's full mode takes a recorded config for every key
 # (k3/kernels/fla_tuning.py), so the wider slice's new shapes compile once instead of autotuning.
-step "pytest -m gpu tests/parity/test_megatron_gpu.py" 330 \
-    env FLA_CACHE_MODE=full FLA_CONFIG_DIR="$PWD/k3/kernels/fla_tuned/NVIDIA_H200" python3 -m pytest -v -rA -m gpu -p no:randomly -p no:cacheprovider --timeout=240 --durations=10 \
+step "pytest -m gpu tests/parity/test_megatron_gpu.py" 240 \
+    env FLA_CACHE_MODE=full FLA_CONFIG_DIR="$PWD/k3/kernels/fla_tuned/NVIDIA_H200" python3 -m pytest -v -rA -m gpu -p no:randomly -p no:cacheprovider --timeout=200 --durations=10 \
     tests/parity/test_megatron_gpu.py
 
 echo
