@@ -91,8 +91,10 @@ def test_gpu_dir_name_is_flas():
 @pytest.fixture
 def clean_env(monkeypatch):
     for var in ("FLA_CONFIG_DIR", "FLA_CACHE_MODE", "K3_FLA_PINNED_CONFIGS"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.delitem(sys.modules, "fla.ops.utils.cache", raising=False)
+        monkeypatch.setenv(var, "")  # records the original state, so what pinning sets is undone afterwards
+        monkeypatch.delenv(var)
+    monkeypatch.setitem(sys.modules, "fla.ops.utils.cache", None)
+    monkeypatch.delitem(sys.modules, "fla.ops.utils.cache")
     monkeypatch.setattr(fla_tuning.importlib.metadata, "version", lambda name: {"fla-core": "0.6.0"}[name])
     return monkeypatch
 
@@ -151,3 +153,21 @@ def test_record_command_writes_the_folder_and_refuses_logs_without_results(tmp_p
                                  "--fla-core", "0.6.0", "--triton", "3.6.0"])
     assert result.exit_code == 2 and "TRITON_PRINT_AUTOTUNING=1" in result.output
     assert not (tmp_path / "cfg2").exists()
+
+
+def test_the_kda_dispatch_pins_before_importing_fla(clean_env):
+    """``k3.kernels.kda`` calls the pinning on a CUDA machine before its first ``import fla`` (which fails here,
+    without Triton: the dispatch then reports fla as unavailable, as before)."""
+    import os
+
+    from k3.kernels import kda
+
+    clean_env.setattr(kda.torch.cuda, "is_available", lambda: True)
+    clean_env.setattr(kda.torch.cuda, "get_device_name", lambda index=0: "NVIDIA H200")
+    kda._fla_ops.cache_clear()
+    try:
+        kda._fla_ops()
+        assert os.environ.get("FLA_CONFIG_DIR") == str(SHIPPED / "NVIDIA_H200")
+        assert os.environ.get("FLA_CACHE_MODE") == "strict"
+    finally:
+        kda._fla_ops.cache_clear()
