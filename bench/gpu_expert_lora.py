@@ -34,7 +34,6 @@ import k3.lora.experts as lora_experts_mod
 import k3.model.moe as moe_mod
 from k3.kernels.grouped_mm import grouped_mm, native_grouped_mm_supported
 from k3.lora.experts import LoRALatentExperts
-from k3.model.mlp import situ
 from k3.model.moe import LatentExperts
 
 GOAL_OVERHEAD = 0.10
@@ -76,19 +75,6 @@ def build(E: int, Lt: int, Fi: int, rank: int, alpha: float, dtype: torch.dtype,
         for name in ("w1_lora_B", "w3_lora_B", "w2_lora_B"):
             getattr(lora, name).normal_(0, 0.01)
     return base, lora
-
-
-def lean_lora_forward(m: LoRALatentExperts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """``m(x, counts)`` with fewer passes over the activations, for comparison only: the LoRA scale folded into
-    the (tiny) shared A and the down adapter accumulated by ``addmm`` into the base output."""
-    r = m.rank
-    gate, up = LatentExperts.gate_up(m, x, counts)
-    xa = x @ (m.scale * torch.cat([m.w1_lora_A, m.w3_lora_A])).T  # [rows, 2r], already scaled
-    gate = gate + moe_mod.grouped_mm(xa[:, :r], m.w1_lora_B, counts)
-    up = up + moe_mod.grouped_mm(xa[:, r:], m.w3_lora_B, counts)
-    h = situ(gate, up, m.beta, m.linear_beta)
-    ha = moe_mod.grouped_mm(h, m.w2_lora_A, counts)  # [rows, r]
-    return torch.addmm(LatentExperts.down(m, h, counts), ha, (m.scale * m.w2_lora_B).T)
 
 
 def expert_counts(E: int, tokens_per_expert: int, seed: int = 0) -> torch.Tensor:
@@ -137,9 +123,6 @@ def run(args: argparse.Namespace) -> dict:
     dy = torch.randn(rows, Lt, generator=gen, device=device).to(dtype)
     adapters = [getattr(lora, n) for n in lora.factor_names()]
 
-    def lean(x, counts):
-        return lean_lora_forward(lora, x, counts)
-
     def fwd(module):
         def step():
             with torch.no_grad():
@@ -161,13 +144,11 @@ def run(args: argparse.Namespace) -> dict:
         try:
             with forced_impl(impl):
                 t = time_side_by_side({
-                    "base_fwd": fwd(base), "lora_fwd": fwd(lora), "lean_fwd": fwd(lean),
+                    "base_fwd": fwd(base), "lora_fwd": fwd(lora),
                     "base_fwd_bwd": fwd_bwd(base, [x]), "lora_fwd_bwd": fwd_bwd(lora, [x, *adapters]),
-                    "lean_fwd_bwd": fwd_bwd(lean, [x, *adapters]),
                 }, args.repeats, args.warmup, device)
                 with torch.no_grad():
                     outputs[impl] = lora(x, counts).float()
-                    lean_out = lean(x, counts).float()
         except Exception as e:  # noqa: BLE001 - one implementation failing must not lose the others' numbers
             results.append({"impl": impl, "skipped": f"failed: {type(e).__name__}: {str(e)[:200]}"})
             print(f"  {impl}: failed: {e!r}", file=sys.stderr, flush=True)
@@ -177,9 +158,6 @@ def run(args: argparse.Namespace) -> dict:
             "impl": impl, "base_fwd_ms": t["base_fwd"], "lora_fwd_ms": t["lora_fwd"],
             "base_fwd_bwd_ms": t["base_fwd_bwd"], "lora_fwd_bwd_ms": t["lora_fwd_bwd"],
             "overhead_fwd": t["lora_fwd"] / t["base_fwd"] - 1, "overhead_fwd_bwd": over_fb,
-            "lean_fwd_ms": t["lean_fwd"], "lean_fwd_bwd_ms": t["lean_fwd_bwd"],
-            "lean_overhead_fwd_bwd": t["lean_fwd_bwd"] / t["base_fwd_bwd"] - 1,
-            "lean_vs_module_rel": float((lean_out - outputs[impl]).norm() / outputs[impl].norm()),
             "base_fwd_tflops": flops_fwd / (t["base_fwd"] * 1e-3) / 1e12,
             "goal_overhead_fwd_bwd": GOAL_OVERHEAD, "meets_goal": over_fb <= GOAL_OVERHEAD,
         })
@@ -217,14 +195,6 @@ def markdown(result: dict) -> str:
         lines.append(f"| {r['impl']} | {r['base_fwd_ms']:.3f} | {r['lora_fwd_ms']:.3f} | {100 * r['overhead_fwd']:.1f}% "
                      f"| {r['base_fwd_bwd_ms']:.3f} | {r['lora_fwd_bwd_ms']:.3f} | {100 * r['overhead_fwd_bwd']:.1f}% "
                      f"| {'yes' if r['meets_goal'] else 'NO'} | {r['base_fwd_tflops']:.0f} |")
-    lines += ["", ("Same math with fewer activation passes (bench-only ``lean_lora_forward``: scale folded into the "
-              "shared A, down adapter through addmm), for comparison:"), "",
-              "| grouped GEMM | lean fwd ms | lean fwd+bwd ms | fwd+bwd overhead | rel. diff vs the module |",
-              "|---|---:|---:|---:|---:|"]
-    for r in result["results"]:
-        if "skipped" not in r:
-            lines.append(f"| {r['impl']} | {r['lean_fwd_ms']:.3f} | {r['lean_fwd_bwd_ms']:.3f} | "
-                         f"{100 * r['lean_overhead_fwd_bwd']:.1f}% | {r['lean_vs_module_rel']:.1e} |")
     a = result["lora_output_agreement"]
     if a:
         lines += ["", f"LoRA output {a['pair']}: relative {a['rel']:.2e}, max abs {a['max_abs']:.2e}"]
