@@ -621,6 +621,7 @@ def run(resolved: ResolvedConfig, *, in_process: bool | None = None, sabotage_sy
     writer = MetricsWriter(resolved.run_dir, wandb_run=_wandb_run(resolved) if a.enable_wandb else None)
     placement = None
     engines: list[Any] = []
+    trainer: Any = None
     t_start = time.time()
     try:
         writer.write("status", None, status="started", run_id=a.run_id)
@@ -671,12 +672,25 @@ def run(resolved: ResolvedConfig, *, in_process: bool | None = None, sabotage_sy
         raise
     finally:
         try:
-            if a.rollout_engine == "sglang":
+            if in_process and trainer is not None:
+                # No actor to kill: close the trainer (its producer first, then megatron's groups). The NCCL
+                # process group must be destroyed before the interpreter exits, or its threads abort the
+                # process after a finished run (seen on the H200: "terminate called without an active
+                # exception", exit 134).
+                _close_trainer(trainer)
+            if a.rollout_engine == "sglang" or in_process:
                 _shutdown_engines(engines)  # SGLang's processes go with their engine, not with its Ray actor
             if placement is not None:
                 placement.shutdown()
         finally:
             writer.close()
+
+
+def _close_trainer(trainer: Any) -> None:
+    try:
+        trainer.call("close")
+    except Exception as e:  # noqa: BLE001 - the run's own result (or error) matters more than its teardown
+        print(f"WARNING closing the trainer failed: {type(e).__name__}: {_last_line(e)}", flush=True)
 
 
 def _shutdown_engines(engines: list[Any]) -> None:

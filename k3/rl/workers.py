@@ -166,6 +166,7 @@ class TrainerWorker:
         else:
             raise ValueError(f"WorkerSpec.backend={spec.backend!r}: expected 'torch' or 'megatron'")
         self.leak = LeakCheck(device=spec.device)
+        self._syncs = 0
         self._producer = None
         self._export_only = False
 
@@ -241,8 +242,15 @@ class TrainerWorker:
     def _sync_result(self, version: int, n: int, t0: float, before: dict[str, Any],
                      active_version: int | None, fed: bool) -> dict[str, Any]:
         elapsed = time.perf_counter() - t0
-        # The first (startup) sync is the warm-up: its end is the baseline every later sync must return to.
-        problems = self.leak.end_sync() if self.leak.baseline is not None else (self.leak.set_baseline() and [])
+        # Two warm-up syncs: the startup one, and the first after a train step (the optimizer allocates its state,
+        # and Megatron its grad buffers, on the first step: measured +65.55 MiB CUDA for the tiny model on the
+        # H200). The end of the second is the baseline every later sync must return to.
+        if self._syncs < 2:
+            self.leak.set_baseline()
+            problems = []
+        else:
+            problems = self.leak.end_sync()
+        self._syncs += 1
         after = self.leak.memory_record("after_update_weights", rank=self.rank)
         return {"version": version, "chunks": n, "perf/update_weights_time": elapsed,
                 "memory": [before, after], "engine_active_version": active_version,

@@ -36,10 +36,29 @@ def _events(run):
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_run_directory_has_what_the_harness_reads(setup, monkeypatch):
+@pytest.fixture
+def teardown_calls(monkeypatch):
+    """Records the in-process trainer's close and the engines' shutdown (the Ray path kills actors instead)."""
+    from k3.rl import workers
+
+    calls = []
+    for cls, method in ((workers.TrainerWorker, "close"), (workers.EngineWorker, "shutdown")):
+        original = getattr(cls, method)
+
+        def recording(self, _original=original, _name=f"{cls.__name__}.{method}"):
+            calls.append(_name)
+            return _original(self)
+
+        monkeypatch.setattr(cls, method, recording)
+    return calls
+
+
+def test_run_directory_has_what_the_harness_reads(setup, monkeypatch, teardown_calls):
     monkeypatch.setenv("K3_IN_PROCESS", "1")
     run = setup / "run"
     assert train_main(_argv(setup, run)) == 0
+    # the trainer is closed first (its producer, then megatron's process group), then the engine
+    assert teardown_calls == ["TrainerWorker.close", "EngineWorker.shutdown"]
     ev = _events(run)
     kinds = [e["event"] for e in ev]
     assert kinds[0] == "status" and ev[0]["status"] == "started" and ev[-1]["status"] == "finished"
@@ -73,11 +92,12 @@ def test_resume_continues_with_the_next_rollout(setup, monkeypatch):
     assert latest_checkpoint(run).name == "rollout_000002"
 
 
-def test_broken_adapter_sync_fails_the_run_and_the_verdict(setup, monkeypatch):
+def test_broken_adapter_sync_fails_the_run_and_the_verdict(setup, monkeypatch, teardown_calls):
     monkeypatch.setenv("K3_IN_PROCESS", "1")
     monkeypatch.setenv("K3_TEST_BREAK_ADAPTER_SYNC", "1")
     run = setup / "broken"
     assert train_main(_argv(setup, run)) == 1
+    assert teardown_calls == ["TrainerWorker.close", "EngineWorker.shutdown"]  # a failed run is torn down too
     ev = _events(run)
     assert ev[-1]["status"] == "failed" and "engine serves adapter version 0, expected 1" in ev[-1]["error"]
     verdict = subprocess.run([sys.executable, "-m", "harness.cli", "check", str(run), "--tier", "smoke"],
@@ -115,3 +135,31 @@ def test_metrics_writer_forwards_numbers_to_wandb_and_refuses_bad_events(tmp_pat
     line = json.loads((tmp_path / "metrics.jsonl").read_text())
     assert line["rollout/raw_reward"] == 0.5 and line["perf/rollout_time"] is None  # NaN -> null
     assert run.logged[0]["rollout/raw_reward"] == 0.5 and run.finished
+
+
+def test_the_leak_baseline_is_taken_after_the_first_sync_that_follows_training():
+    """Sync 0 (startup) and sync 1 (after the first train step, where the optimizer allocates its state) are the
+    warm-up; every later sync is checked against the end of sync 1."""
+    import time
+
+    from k3.rl.workers import TrainerWorker
+
+    class Gate:
+        def __init__(self):
+            self.calls = []
+
+        def set_baseline(self):
+            self.calls.append("baseline")
+
+        def end_sync(self):
+            self.calls.append("check")
+            return ["CUDA allocated +2.00 MiB over baseline"] if len(self.calls) == 4 else []
+
+        def memory_record(self, phase, rank):
+            return {"phase": phase, "rank": rank}
+
+    worker = TrainerWorker.__new__(TrainerWorker)
+    worker.leak, worker.rank, worker._syncs = Gate(), 0, 0
+    results = [worker._sync_result(v, 1, time.perf_counter(), {}, v, True) for v in (1, 2, 3, 4)]
+    assert worker.leak.calls == ["baseline", "baseline", "check", "check"]
+    assert [r["leak_problems"] for r in results] == [[], [], [], ["CUDA allocated +2.00 MiB over baseline"]]
