@@ -50,11 +50,9 @@ PY
 } 2>&1 | tee -a "$BENCH_LOG"
 
 # Quick files first; each test gets its own limit and pytest-timeout prints every thread's stack when one runs over.
-# The tests check numbers, not speed: fla's full mode takes a recorded config for every key
-# (k3/kernels/fla_tuning.py), so nothing autotunes; the benches below keep k3's default (strict: only exact
-# recorded keys pinned, the rest autotuned).
-step "gpu tests" 300 "$TESTS_LOG" env FLA_CACHE_MODE=full FLA_CONFIG_DIR="$PWD/k3/kernels/fla_tuned/NVIDIA_H200" \
-    TRITON_PRINT_AUTOTUNING=1 python3 -m pytest -m gpu -v -rA --durations=25 --timeout=120 \
+# k3's default fla pinning (strict: only exact recorded keys). Not fla's full mode: it applied the tiny model's
+# configs at K3 head shapes and six KDA tests failed with Triton OutOfResources (shared memory 237568 > 232448).
+step "gpu tests" 300 "$TESTS_LOG" env TRITON_PRINT_AUTOTUNING=1 python3 -m pytest -m gpu -v -rA --durations=25 --timeout=120 \
     --junitxml="$OUT/gpu_tests.xml" -p no:cacheprovider \
     tests/unit/test_gpu_mxfp4.py tests/unit/test_gpu_expert_lora.py tests/unit/test_gpu_ipc.py \
     tests/unit/test_gpu_kda.py
