@@ -3,11 +3,13 @@
     python bench/gpu_expert_lora.py --out $OUT/gpu_expert_lora.json     # 112 experts (896 / EP8), K3 widths, r 32
 
 The base is ``k3.model.moe.LatentExperts`` (w1/w3 ``[E, F, Lt]``, w2 ``[E, Lt, F]``, frozen); the adapted module
-is ``k3.lora.experts.LoRALatentExperts`` built on the same weights. Rows are ``tokens_per_expert`` on average per
+is ``k3.lora.experts.LoRALatentExperts`` built on copies of the same weights, twice: ``fused`` (the default: the
+adapters ride the base grouped GEMMs as extra K/N columns, ``k3/kernels/expert_lora.py``) and ``plain`` (separate
+rank-r GEMMs and full-width adds, the reference math). Rows are ``tokens_per_expert`` on average per
 expert (a seeded multinomial, so the counts are uneven as a router's are), sorted by expert. Forward+backward is
 ``autograd.grad`` of the output against a fixed upstream gradient, w.r.t. the input rows (as in training, where
 earlier layers have adapters too) and, with LoRA, the six adapter factors. Both modules run side by side in one
-process, alternating which goes first; the overhead is ``LoRA / base - 1`` (goal <= 10% forward+backward).
+process, rotating which goes first; the overhead is ``LoRA / base - 1`` (goal <= 10% forward+backward).
 
 Each grouped GEMM implementation is measured: ``native`` (``F.grouped_mm`` / ``torch._grouped_mm``) and
 ``padded`` (a batched matmul over experts padded to the largest count). Where torch has only the private
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import functools
 import json
 import platform
@@ -30,9 +33,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+import k3.kernels.expert_lora as expert_lora_mod
 import k3.lora.experts as lora_experts_mod
 import k3.model.moe as moe_mod
-from k3.kernels.grouped_mm import grouped_mm, native_grouped_mm_supported
+from k3.kernels.grouped_mm import grouped_mm, grouped_weight_grad, native_grouped_mm_supported
 from k3.lora.experts import LoRALatentExperts
 from k3.model.moe import LatentExperts
 
@@ -52,17 +56,22 @@ def native_grouped_mm_shim() -> str:
 def forced_impl(impl: str) -> Iterator[None]:
     """Run the base and LoRA experts with one grouped GEMM implementation (``auto``, ``native``, ``padded``)."""
     forced = functools.partial(grouped_mm, impl=impl)
-    saved = moe_mod.grouped_mm, lora_experts_mod.grouped_mm
-    moe_mod.grouped_mm = lora_experts_mod.grouped_mm = forced
+    saved = (moe_mod.grouped_mm, lora_experts_mod.grouped_mm, expert_lora_mod.grouped_mm,
+             expert_lora_mod.grouped_weight_grad)
+    moe_mod.grouped_mm = lora_experts_mod.grouped_mm = expert_lora_mod.grouped_mm = forced
+    expert_lora_mod.grouped_weight_grad = functools.partial(grouped_weight_grad, impl=impl)
     try:
         yield
     finally:
-        moe_mod.grouped_mm, lora_experts_mod.grouped_mm = saved
+        (moe_mod.grouped_mm, lora_experts_mod.grouped_mm, expert_lora_mod.grouped_mm,
+         expert_lora_mod.grouped_weight_grad) = saved
 
 
 def build(E: int, Lt: int, Fi: int, rank: int, alpha: float, dtype: torch.dtype, device: torch.device,
-          seed: int = 0) -> tuple[LatentExperts, LoRALatentExperts]:
-    """Base experts with random weights (std 0.02) and the LoRA module on the same tensors, B's nonzero."""
+          seed: int = 0, fused: bool = True) -> tuple[LatentExperts, LoRALatentExperts]:
+    """Base experts with random weights (std 0.02) and a LoRA module on a copy of them, B's nonzero.
+
+    The copy keeps the base's weights contiguous (the fused LoRA moves its own into augmented storage)."""
     torch.manual_seed(seed)
     with torch.device(device):  # allocated and filled on the device: 3.7e9 weights are slow to fill on a CPU
         base = LatentExperts(E, Lt, Fi, SITU_BETA, SITU_LINEAR_BETA)
@@ -70,7 +79,7 @@ def build(E: int, Lt: int, Fi: int, rank: int, alpha: float, dtype: torch.dtype,
         for p in (base.w1, base.w2, base.w3):
             p.normal_(0, 0.02)
     base = base.to(dtype=dtype)
-    lora = LoRALatentExperts(base, rank=rank, alpha=alpha)  # freezes w1/w2/w3 (shared with ``base``)
+    lora = LoRALatentExperts(copy.deepcopy(base), rank=rank, alpha=alpha, fused=fused)  # frozen w1/w2/w3
     with torch.no_grad():
         for name in ("w1_lora_B", "w3_lora_B", "w2_lora_B"):
             getattr(lora, name).normal_(0, 0.01)
@@ -114,14 +123,18 @@ def run(args: argparse.Namespace) -> dict:
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     native = native_grouped_mm_shim()
     E, Lt, Fi, r = args.experts, args.latent, args.width, args.rank
-    base, lora = build(E, Lt, Fi, r, args.alpha, dtype, device)
+    base, fused = build(E, Lt, Fi, r, args.alpha, dtype, device)
+    plain = LoRALatentExperts(copy.deepcopy(base), rank=r, alpha=args.alpha, fused=False)
+    with torch.no_grad():  # the same adapter values in both LoRA modules
+        for n in fused.factor_names():
+            getattr(plain, n).copy_(getattr(fused, n))
+    loras = {"fused": fused, "plain": plain}
     counts_cpu = expert_counts(E, args.tokens_per_expert)
     counts = counts_cpu.to(device)
     rows = int(counts_cpu.sum())
     gen = torch.Generator(device=device).manual_seed(1)
     x = torch.randn(rows, Lt, generator=gen, device=device).to(dtype).requires_grad_()
     dy = torch.randn(rows, Lt, generator=gen, device=device).to(dtype)
-    adapters = [getattr(lora, n) for n in lora.factor_names()]
 
     def fwd(module):
         def step():
@@ -129,7 +142,9 @@ def run(args: argparse.Namespace) -> dict:
                 return module(x, counts)
         return step
 
-    def fwd_bwd(module, wrt):
+    def fwd_bwd(module):
+        wrt = [x] + [getattr(module, n) for n in getattr(module, "factor_names", lambda: ())()]
+
         def step():
             torch.autograd.grad(module(x, counts), wrt, grad_outputs=dy)
         return step
@@ -143,30 +158,34 @@ def run(args: argparse.Namespace) -> dict:
             continue
         try:
             with forced_impl(impl):
-                t = time_side_by_side({
-                    "base_fwd": fwd(base), "lora_fwd": fwd(lora),
-                    "base_fwd_bwd": fwd_bwd(base, [x]), "lora_fwd_bwd": fwd_bwd(lora, [x, *adapters]),
-                }, args.repeats, args.warmup, device)
+                fns = {"base_fwd": fwd(base), "base_fwd_bwd": fwd_bwd(base)}
+                for name, m in loras.items():
+                    fns[f"{name}_fwd"], fns[f"{name}_fwd_bwd"] = fwd(m), fwd_bwd(m)
+                t = time_side_by_side(fns, args.repeats, args.warmup, device)
                 with torch.no_grad():
-                    outputs[impl] = lora(x, counts).float()
+                    for name, m in loras.items():
+                        outputs[f"{impl}/{name}"] = m(x, counts).float()
         except Exception as e:  # noqa: BLE001 - one implementation failing must not lose the others' numbers
             results.append({"impl": impl, "skipped": f"failed: {type(e).__name__}: {str(e)[:200]}"})
             print(f"  {impl}: failed: {e!r}", file=sys.stderr, flush=True)
             continue
-        over_fb = t["lora_fwd_bwd"] / t["base_fwd_bwd"] - 1
-        results.append({
-            "impl": impl, "base_fwd_ms": t["base_fwd"], "lora_fwd_ms": t["lora_fwd"],
-            "base_fwd_bwd_ms": t["base_fwd_bwd"], "lora_fwd_bwd_ms": t["lora_fwd_bwd"],
-            "overhead_fwd": t["lora_fwd"] / t["base_fwd"] - 1, "overhead_fwd_bwd": over_fb,
-            "base_fwd_tflops": flops_fwd / (t["base_fwd"] * 1e-3) / 1e12,
-            "goal_overhead_fwd_bwd": GOAL_OVERHEAD, "meets_goal": over_fb <= GOAL_OVERHEAD,
-        })
+        for name in loras:
+            over_fb = t[f"{name}_fwd_bwd"] / t["base_fwd_bwd"] - 1
+            results.append({
+                "impl": impl, "lora": name, "base_fwd_ms": t["base_fwd"], "lora_fwd_ms": t[f"{name}_fwd"],
+                "base_fwd_bwd_ms": t["base_fwd_bwd"], "lora_fwd_bwd_ms": t[f"{name}_fwd_bwd"],
+                "overhead_fwd": t[f"{name}_fwd"] / t["base_fwd"] - 1, "overhead_fwd_bwd": over_fb,
+                "base_fwd_tflops": flops_fwd / (t["base_fwd"] * 1e-3) / 1e12,
+                "goal_overhead_fwd_bwd": GOAL_OVERHEAD, "meets_goal": over_fb <= GOAL_OVERHEAD,
+            })
         print(f"  {impl}: {t}", file=sys.stderr, flush=True)
-    agreement = None
-    if len(outputs) >= 2:
-        (a_name, a), (b_name, b) = list(outputs.items())[:2]
-        agreement = {"pair": f"{a_name} vs {b_name}", "rel": float((a - b).norm() / b.norm()),
-                     "max_abs": float((a - b).abs().max())}
+    agreement = []
+    if outputs:
+        ref_name = next(iter(outputs))
+        ref = outputs[ref_name]
+        for name, out in list(outputs.items())[1:]:
+            agreement.append({"pair": f"{name} vs {ref_name}", "rel": float((out - ref).norm() / ref.norm()),
+                              "max_abs": float((out - ref).abs().max())})
     return {
         "bench": "gpu_expert_lora",
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
@@ -185,18 +204,18 @@ def markdown(result: dict) -> str:
               f"{s['latent']}, width {s['width']}, {s['rows']} rows ({s['tokens_per_expert_min']}-"
               f"{s['tokens_per_expert_max']} per expert), {result['dtype']} on {result['device']} (torch "
               f"{result['torch']}; native grouped GEMM: {result['native_grouped_mm']})"), "",
-             ("| grouped GEMM | base fwd ms | LoRA fwd ms | fwd overhead | base fwd+bwd ms | LoRA fwd+bwd ms | "
-             "fwd+bwd overhead | goal <= 10% | base fwd TFLOP/s |"),
-             "|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+             ("| grouped GEMM | LoRA path | base fwd ms | LoRA fwd ms | fwd overhead | base fwd+bwd ms | "
+              "LoRA fwd+bwd ms | fwd+bwd overhead | goal <= 10% | base fwd TFLOP/s |"),
+             "|---|---|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in result["results"]:
         if "skipped" in r:
-            lines.append(f"| {r['impl']} | {r['skipped']} | | | | | | | |")
+            lines.append(f"| {r['impl']} | | {r['skipped']} | | | | | | | |")
             continue
-        lines.append(f"| {r['impl']} | {r['base_fwd_ms']:.3f} | {r['lora_fwd_ms']:.3f} | {100 * r['overhead_fwd']:.1f}% "
-                     f"| {r['base_fwd_bwd_ms']:.3f} | {r['lora_fwd_bwd_ms']:.3f} | {100 * r['overhead_fwd_bwd']:.1f}% "
-                     f"| {'yes' if r['meets_goal'] else 'NO'} | {r['base_fwd_tflops']:.0f} |")
-    a = result["lora_output_agreement"]
-    if a:
+        lines.append(f"| {r['impl']} | {r['lora']} | {r['base_fwd_ms']:.3f} | {r['lora_fwd_ms']:.3f} | "
+                     f"{100 * r['overhead_fwd']:.1f}% | {r['base_fwd_bwd_ms']:.3f} | {r['lora_fwd_bwd_ms']:.3f} | "
+                     f"{100 * r['overhead_fwd_bwd']:.1f}% | {'yes' if r['meets_goal'] else 'NO'} | "
+                     f"{r['base_fwd_tflops']:.0f} |")
+    for a in result["lora_output_agreement"]:
         lines += ["", f"LoRA output {a['pair']}: relative {a['rel']:.2e}, max abs {a['max_abs']:.2e}"]
     return "\n".join(lines)
 

@@ -11,6 +11,12 @@ the input side, down shares B on the output side. The hot path is batched over e
 all rows with the stacked shared ``[w1_lora_A; w3_lora_A]``, then grouped per-expert GEMMs with the B's
 (and for down, a grouped GEMM with the per-expert A's, then one GEMM with the shared B) — no Python loop
 over experts.
+
+That plain path is the reference. The default fast path (``fused=True``; ``k3/kernels/expert_lora.py``) folds
+the adapters into the base grouped GEMMs as r extra K/N columns: the frozen ``w1``/``w3``/``w2`` then live in
+"augmented" storage with an r-wide adapter slot (``w1`` is a view ``[E, F, Lt]`` of ``[E, F, r + Lt]``; +r/Lt
+memory, 0.9% at K3 widths). The storage is rebuilt when something replaces a base weight's tensor (``.to()``,
+``load_state_dict(assign=True)``); in-place writes (loading, merging) keep it.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k3.kernels.expert_lora import lora_down, lora_gate_up
 from k3.kernels.grouped_mm import grouped_mm
 from k3.lora.linear import xavier_bound
 from k3.model.moe import LatentExperts
@@ -27,6 +34,11 @@ __all__ = ["LoRALatentExperts", "EXPERT_FACTORS"]
 
 # Factor names in the order a routed-experts chunk lists them.
 EXPERT_FACTORS = ("w1_lora_A", "w1_lora_B", "w3_lora_A", "w3_lora_B", "w2_lora_A", "w2_lora_B")
+
+# Augmented storage per base weight: (dim that grows by r, whether the base sits after the slot).
+# w1aug = [B1 | w1] and w3aug = [w3 | B3] so that gate's and up's inputs are column slices of one
+# [xa1 | x | xa3] buffer; w2aug = [w2 ; A2].
+_AUGMENTED = {"w1": (2, True), "w3": (2, False), "w2": (1, False)}
 
 
 class LoRALatentExperts(LatentExperts):
@@ -40,10 +52,12 @@ class LoRALatentExperts(LatentExperts):
         base: the experts to adapt.
         rank, alpha, dropout: as ``LoRAConfig`` (dropout on the adapter input, training only).
         fc1: adapt gate and up (``mlp.experts.linear_fc1``). fc2: adapt down (``mlp.experts.linear_fc2``).
+        fused: fold the adapters into the base GEMMs (``k3/kernels/expert_lora.py``); ``False`` keeps the base
+            weights as they are and always runs the plain path. Active dropout always takes the plain path.
     """
 
     def __init__(self, base: LatentExperts, rank: int, alpha: float, dropout: float = 0.0,
-                 fc1: bool = True, fc2: bool = True) -> None:
+                 fc1: bool = True, fc2: bool = True, fused: bool = True) -> None:
         nn.Module.__init__(self)
         if not isinstance(base, LatentExperts):
             raise TypeError(f"LoRALatentExperts wraps LatentExperts, got {type(base).__name__}")
@@ -78,6 +92,37 @@ class LoRALatentExperts(LatentExperts):
         if fc2:
             self.w2_lora_A = factor(E, rank, Fi, fan_in=Fi)
             self.w2_lora_B = factor(Lt, rank)
+        self.fused = fused
+        self._augmented_storage: dict[str, torch.Tensor] = {}
+        if fused:
+            for name in self._augmented_names():
+                self._augmented(name)
+
+    # ------------------------------------------------------------------ augmented storage (fused path)
+    def _augmented_names(self) -> tuple[str, ...]:
+        return (("w1", "w3") if self.fc1 else ()) + (("w2",) if self.fc2 else ())
+
+    def _augmented(self, name: str) -> torch.Tensor:
+        """The ``[w | slot]`` storage that base weight ``name`` is a view of; (re)built if ``name`` is not."""
+        w = getattr(self, name)
+        dim, after = _AUGMENTED[name]
+        aug = self._augmented_storage.get(name)
+        if aug is not None and aug.device == w.device and aug.dtype == w.dtype:
+            view = aug.narrow(dim, self.rank if after else 0, w.shape[dim])
+            if view.data_ptr() == w.data_ptr() and view.stride() == w.stride() and view.shape == w.shape:
+                return aug
+        shape = list(w.shape)
+        shape[dim] += self.rank
+        aug = w.new_zeros(shape)
+        view = aug.narrow(dim, self.rank if after else 0, w.shape[dim])
+        with torch.no_grad():
+            view.copy_(w)
+        w.data = view  # the Parameter keeps its identity (optimizers, hooks) and now aliases the storage
+        self._augmented_storage[name] = aug
+        return aug
+
+    def _use_fused(self) -> bool:
+        return self.fused and not self.merged and not (self.dropout > 0 and self.training)
 
     def factor_names(self) -> tuple[str, ...]:
         """The adapter factors this module holds, in chunk order."""
@@ -93,12 +138,15 @@ class LoRALatentExperts(LatentExperts):
 
     def gate_up(self, x: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [rows, Lt]`` sorted by expert, ``counts [E]`` -> ``(gate [rows, F], up [rows, F])``."""
-        gate, up = super().gate_up(x, counts)
         if not self.fc1 or self.merged:
-            return gate, up
-        r = self.rank
+            return super().gate_up(x, counts)
         shared_A = torch.cat([self.w1_lora_A, self.w3_lora_A])  # [2r, Lt]: one GEMM for both projections
+        if self._use_fused():
+            return lora_gate_up(x, shared_A, self.w1_lora_B, self.w3_lora_B, self._augmented("w1"),
+                                self._augmented("w3"), counts, self.scale)
+        r = self.rank
         # The scale goes on the narrow [rows, 2r] product, not the wide [rows, F] outputs: one fewer full pass.
+        gate, up = super().gate_up(x, counts)
         xa = (self._adapter_input(x) @ shared_A.T) * self.scale  # [rows, 2r]
         gate = gate + grouped_mm(xa[:, :r], self.w1_lora_B, counts)
         up = up + grouped_mm(xa[:, r:], self.w3_lora_B, counts)
@@ -106,9 +154,11 @@ class LoRALatentExperts(LatentExperts):
 
     def down(self, h: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``h [rows, F]`` sorted by expert -> ``[rows, Lt]``."""
-        out = super().down(h, counts)
         if not self.fc2 or self.merged:
-            return out
+            return super().down(h, counts)
+        if self._use_fused():
+            return lora_down(h, self.w2_lora_A, self.w2_lora_B, self._augmented("w2"), counts, self.scale)
+        out = super().down(h, counts)
         ha = grouped_mm(self._adapter_input(h), self.w2_lora_A, counts)  # [rows, r]
         return torch.addmm(out, ha, self.w2_lora_B.T, alpha=self.scale)  # scale, GEMM and add in one kernel
 
@@ -133,4 +183,4 @@ class LoRALatentExperts(LatentExperts):
     def extra_repr(self) -> str:
         E, Fi, Lt = self.w1.shape
         return (f"experts={E}, latent={Lt}, intermediate={Fi}, rank={self.rank}, alpha={self.alpha:g}, "
-                f"dropout={self.dropout:g}, fc1={self.fc1}, fc2={self.fc2}, merged={self.merged}")
+                f"dropout={self.dropout:g}, fc1={self.fc1}, fc2={self.fc2}, fused={self.fused}, merged={self.merged}")

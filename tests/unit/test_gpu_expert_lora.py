@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import k3.kernels.expert_lora as expert_lora_mod
 import k3.lora.experts as lora_experts_mod
 import k3.model.moe as moe_mod
 from k3.kernels.grouped_mm import grouped_mm
@@ -66,15 +67,20 @@ def test_expert_counts_are_seeded_and_sum_to_the_rows():
     assert torch.equal(c, bench.expert_counts(112, 146, seed=0)) and int(c.max()) > int(c.min())
 
 
-def test_forced_impl_patches_both_modules_and_restores_them():
-    before = moe_mod.grouped_mm, lora_experts_mod.grouped_mm
+def test_forced_impl_patches_every_module_and_restores_them():
+    def current():
+        return (moe_mod.grouped_mm, lora_experts_mod.grouped_mm, expert_lora_mod.grouped_mm,
+                expert_lora_mod.grouped_weight_grad)
+
+    before = current()
     with bench.forced_impl("padded"):
         assert moe_mod.grouped_mm.keywords == {"impl": "padded"}
-        assert lora_experts_mod.grouped_mm is moe_mod.grouped_mm
-    assert (moe_mod.grouped_mm, lora_experts_mod.grouped_mm) == before
+        assert lora_experts_mod.grouped_mm is moe_mod.grouped_mm is expert_lora_mod.grouped_mm
+        assert expert_lora_mod.grouped_weight_grad.keywords == {"impl": "padded"}
+    assert current() == before
     with pytest.raises(RuntimeError), bench.forced_impl("native"):
         raise RuntimeError("boom")
-    assert (moe_mod.grouped_mm, lora_experts_mod.grouped_mm) == before
+    assert current() == before
 
 
 @pytest.mark.parametrize("impl", ["native", "padded"])
@@ -97,12 +103,17 @@ def test_bench_runs_end_to_end_on_the_cpu(tmp_path, capsys):
                          "--tokens-per-expert", "5", "--rank", "4", "--repeats", "2", "--warmup", "1",
                          "--impls", "native,padded", "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
-    assert [r["impl"] for r in result["results"]] == ["native", "padded"]
+    assert [(r["impl"], r["lora"]) for r in result["results"]] == [
+        ("native", "fused"), ("native", "plain"), ("padded", "fused"), ("padded", "plain")]
     for r in result["results"]:
         assert r["base_fwd_bwd_ms"] > 0 and r["overhead_fwd_bwd"] == pytest.approx(
             r["lora_fwd_bwd_ms"] / r["base_fwd_bwd_ms"] - 1)
-    assert result["shape"]["rows"] == 20 and result["lora_output_agreement"]["rel"] <= REL_FP32
-    assert "| native |" in capsys.readouterr().out
+    assert result["shape"]["rows"] == 20
+    agree = result["lora_output_agreement"]
+    assert [a["pair"] for a in agree] == ["native/plain vs native/fused", "padded/fused vs native/fused",
+                                          "padded/plain vs native/fused"]
+    assert all(a["rel"] <= REL_FP32 for a in agree)
+    assert "| native | fused |" in capsys.readouterr().out
 
 
 # ------------------------------------------------------------------------------------------------ CUDA
@@ -118,10 +129,12 @@ def test_cuda_float32_matches_the_cpu_path():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("impl", ["native", "padded"])
-def test_cuda_bf16_matches_the_cpu_float32_path(impl):
+def test_cuda_bf16_matches_the_cpu_float32_path(impl, fused):
     bench.native_grouped_mm_shim()
     _, lora, counts, x, dy = small_problem()
+    lora.fused = fused
     lora_bf16 = copy.deepcopy(lora).to(device="cuda", dtype=torch.bfloat16)
     lora_ref = copy.deepcopy(lora_bf16).to(device="cpu", dtype=torch.float32)  # the same rounded weights
     xb, dyb = x.bfloat16(), dy.bfloat16()

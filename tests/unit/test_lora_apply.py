@@ -54,7 +54,8 @@ def test_only_adapters_train_and_a_fresh_adapter_changes_nothing(tiny_base):
     ids = torch.randint(0, TINY.vocab_size, (2, 6))
     before = tiny_base(ids)
     m = apply_lora(_fresh(tiny_base), LoRAConfig(rank=4, alpha=8))
-    assert torch.equal(m(ids), before)
+    # zero B's: the same function; the routed experts' fused GEMMs (a longer K) may round in another order
+    torch.testing.assert_close(m(ids), before, rtol=1e-6, atol=1e-6)
     trainable = [n for n, p in m.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
     m(ids).float().logsumexp(-1).sum().backward()

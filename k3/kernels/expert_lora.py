@@ -1,0 +1,122 @@
+"""Shared-outer expert LoRA folded into the base grouped GEMMs: the adapter rides along as extra K (or N) columns.
+
+The plain math (``k3/lora/experts.py``, the reference) runs the base GEMM and the rank-r GEMMs separately and
+then adds full-width outputs; at K3's shapes those adds and the extra reads of the wide gradients cost ~19%
+of the base forward+backward. Here, for expert ``e`` with ``s = alpha / r`` and ``xa = s · x Aᵀ``:
+
+    gate_e = [xa1 | x] @ [B1_e | w1_e]ᵀ          one grouped GEMM, K = r + Lt
+    up_e   = [x | xa3] @ [w3_e | B3_e]ᵀ          one grouped GEMM, K = Lt + r
+    [o | ha] = h @ [w2_e ; A2_e]ᵀ                 one grouped GEMM, N = Lt + r;   down_e = o + s · ha B2ᵀ
+
+Both fc1 GEMMs read one buffer ``xcat = [xa1 | x | xa3]``: gate's operand is its first ``r + Lt`` columns, up's
+its last ``Lt + r`` (column slices, no copies). The augmented weights (``w1aug = [B1 | w1]`` ``[E, F, r+Lt]``,
+``w3aug = [w3 | B3]``, ``w2aug = [w2 ; A2]`` ``[E, Lt+r, F]``) are the frozen base's own storage with an
+r-wide slot that each forward refreshes from the adapter Parameter (``[E, F, r]``: a 22 MB copy at K3 widths).
+The backward is written out: one grouped GEMM per weight for the input gradient (its extra K/N columns are the
+gradients of ``xa`` / ``ha``), and a row-grouped ``gᵀ x`` for each per-expert factor.
+
+The adapter slot is read again in backward: the adapter must not change between a forward and its backward (an
+optimizer step always comes after the backward). Dropout on the adapter input is not folded (the adapter would
+see a different input than the base); the module takes the plain path then.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from k3.kernels.grouped_mm import grouped_mm, grouped_weight_grad
+
+__all__ = ["lora_gate_up", "lora_down"]
+
+
+class _GateUpLoRA(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, A, B1, B3, w1aug, w3aug, counts, scale):
+        r, Lt = B1.shape[-1], x.shape[1]
+        with torch.no_grad():
+            w1aug[:, :, :r].copy_(B1)
+            w3aug[:, :, Lt:].copy_(B3)
+        xa = x @ A.T  # [rows, 2r]
+        xa.mul_(scale)
+        xcat = torch.cat([xa[:, :r], x, xa[:, r:]], dim=1)  # [rows, r + Lt + r]
+        gate = grouped_mm(xcat[:, :r + Lt], w1aug, counts)
+        up = grouped_mm(xcat[:, r:], w3aug, counts)
+        # The augmented weights go on ctx, not save_for_backward: the next forward's slot refresh bumps their
+        # version counter, and a second micro-batch's forward before this backward is legitimate.
+        ctx.save_for_backward(xcat, A, counts)
+        ctx.w1aug, ctx.w3aug, ctx.scale, ctx.r = w1aug, w3aug, scale, r
+        return gate, up
+
+    @staticmethod
+    def backward(ctx, dgate, dup):
+        xcat, A, counts = ctx.saved_tensors
+        r, s = ctx.r, ctx.scale
+        Lt = xcat.shape[1] - 2 * r
+        dgate, dup = dgate.contiguous(), dup.contiguous()
+        g1 = grouped_mm(dgate, ctx.w1aug.transpose(1, 2), counts)  # [rows, r + Lt] = [d xa1 | dx from gate]
+        g3 = grouped_mm(dup, ctx.w3aug.transpose(1, 2), counts)  # [rows, Lt + r] = [dx from up | d xa3]
+        dxa = torch.cat([g1[:, :r], g3[:, Lt:]], dim=1).mul_(s)  # d(x Aᵀ), [rows, 2r]
+        x = xcat[:, r:r + Lt]
+        dx = g1[:, r:] + g3[:, :Lt]
+        dx.addmm_(dxa, A)
+        dA = dxa.T @ x
+        dB1 = grouped_weight_grad(dgate, xcat[:, :r], counts)
+        dB3 = grouped_weight_grad(dup, xcat[:, r + Lt:], counts)
+        return dx, dA, dB1, dB3, None, None, None, None
+
+
+class _DownLoRA(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, A2, B2, w2aug, counts, scale):
+        Lt = B2.shape[0]
+        with torch.no_grad():
+            w2aug[:, Lt:, :].copy_(A2)
+        ocat = grouped_mm(h, w2aug, counts)  # [rows, Lt + r] = [h w2ᵀ | h A2ᵀ]
+        ha = ocat[:, Lt:].contiguous()
+        out = torch.addmm(ocat[:, :Lt], ha, B2.T, alpha=scale)
+        ctx.save_for_backward(h, ha, B2, counts)
+        ctx.w2aug, ctx.scale = w2aug, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        h, ha, B2, counts = ctx.saved_tensors
+        s = ctx.scale
+        dout = dout.contiguous()
+        dha = (dout @ B2).mul_(s)  # [rows, r]
+        dB2 = (dout.T @ ha).mul_(s)  # [Lt, r]
+        dcat = torch.cat([dout, dha], dim=1)  # [rows, Lt + r]
+        dh = grouped_mm(dcat, ctx.w2aug.transpose(1, 2), counts)
+        dA2 = grouped_weight_grad(dha, h, counts)  # [E, r, F]
+        return dh, dA2, dB2, None, None, None
+
+
+def lora_gate_up(x: torch.Tensor, A: torch.Tensor, B1: torch.Tensor, B3: torch.Tensor, w1aug: torch.Tensor,
+                 w3aug: torch.Tensor, counts: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gate and up projections of expert-sorted rows with the shared-A adapters folded in.
+
+    Args:
+        x: ``[rows, Lt]`` sorted by expert. A: ``[2r, Lt]`` = ``[w1_lora_A; w3_lora_A]``.
+        B1, B3: ``[E, F, r]`` (w1/w3_lora_B). w1aug: ``[E, F, r + Lt]`` = ``[B1 | w1]``; w3aug ``[E, F, Lt + r]``
+            = ``[w3 | B3]`` (their adapter slots are overwritten with B1/B3 here).
+        counts: ``[E]`` rows per expert. scale: ``alpha / r``.
+
+    Returns:
+        ``(gate, up)``, each ``[rows, F]``.
+    """
+    return _GateUpLoRA.apply(x, A, B1, B3, w1aug, w3aug, counts, float(scale))
+
+
+def lora_down(h: torch.Tensor, A2: torch.Tensor, B2: torch.Tensor, w2aug: torch.Tensor, counts: torch.Tensor,
+              scale: float) -> torch.Tensor:
+    """Down projection of expert-sorted rows with the per-expert-A, shared-B adapter folded in.
+
+    Args:
+        h: ``[rows, F]`` sorted by expert. A2: ``[E, r, F]`` (w2_lora_A). B2: ``[Lt, r]`` (w2_lora_B, shared).
+        w2aug: ``[E, Lt + r, F]`` = ``[w2 ; A2]`` (its adapter slot is overwritten with A2 here).
+        counts: ``[E]``. scale: ``alpha / r``.
+
+    Returns:
+        ``[rows, Lt]``.
+    """
+    return _DownLoRA.apply(h, A2, B2, w2aug, counts, float(scale))
