@@ -119,6 +119,20 @@ def time_side_by_side(fns: dict[str, Callable], repeats: int, warmup: int, devic
     return {n: statistics.median(t) for n, t in times.items()}
 
 
+def kernel_table(fn: Callable[[], object], device: torch.device, rows: int = 14) -> str:
+    """torch.profiler's per-kernel table (device time, top ``rows``) of one call of ``fn``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    fn()
+    with profile(activities=activities) as prof:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
+
+
 def run(args: argparse.Namespace) -> dict:
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     native = native_grouped_mm_shim()
@@ -179,6 +193,12 @@ def run(args: argparse.Namespace) -> dict:
                 "goal_overhead_fwd_bwd": GOAL_OVERHEAD, "meets_goal": over_fb <= GOAL_OVERHEAD,
             })
         print(f"  {impl}: {t}", file=sys.stderr, flush=True)
+    profiles = {}
+    if args.profile:
+        with forced_impl(args.impls[0]):
+            for name, m in {"base": base, **loras}.items():
+                profiles[name] = kernel_table(fwd_bwd(m), device)
+                print(f"== profile {name} fwd+bwd ({args.impls[0]})\n{profiles[name]}", file=sys.stderr, flush=True)
     agreement = []
     if outputs:
         ref_name = next(iter(outputs))
@@ -194,6 +214,7 @@ def run(args: argparse.Namespace) -> dict:
                   "tokens_per_expert_mean": rows / E, "tokens_per_expert_max": int(counts_cpu.max()),
                   "tokens_per_expert_min": int(counts_cpu.min())},
         "repeats": args.repeats, "warmup": args.warmup, "results": results, "lora_output_agreement": agreement,
+        "profiles": profiles,
         "command": "python bench/gpu_expert_lora.py " + " ".join(sys.argv[1:]),
     }
 
@@ -234,6 +255,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--profile", action="store_true",
+                    help="also print torch.profiler's kernel table of one forward+backward of each module")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     return ap
 

@@ -149,3 +149,28 @@ def test_cuda_bf16_matches_the_cpu_float32_path(impl, fused):
     errs = {"out": rel_err(out_c, out), **{n: rel_err(grads_c[n], grads[n]) for n in grads}}
     print(impl, {k: f"{v:.1e}" for k, v in errs.items()})
     assert all(e <= REL_BF16 for e in errs.values()), errs
+
+
+def test_grouped_mm_shape_sweep_runs_end_to_end_on_the_cpu(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("bench_gpu_grouped_mm", BENCH.parent / "gpu_grouped_mm.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    out = tmp_path / "sweep.json"
+    result = sweep.main(["--device", "cpu", "--dtype", "fp32", "--experts", "4", "--latent", "64", "--width", "48",
+                         "--tokens-per-expert", "5", "--rank", "8", "--repeats", "2", "--warmup", "1", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    by_name = {r["name"]: r for r in result["results"]}
+    assert by_name["gate/up base"]["vs_base"] == 1.0 and by_name["down base"]["vs_flops"] == 1.0
+    assert by_name["gate/up K+r padded to 128"]["K"] == 128 and by_name["down N+r"]["N"] == 72
+    sliced = by_name["gate/up K+r, A a slice of [rows, K+2r]"]
+    assert (sliced["K"], sliced["a_width"]) == (72, 80)
+    assert result["rows"] == 20 and "| gate/up base | 64 | 48 |" in capsys.readouterr().out
+
+
+def test_profile_flag_prints_a_kernel_table_per_module(capsys):
+    result = bench.main(["--device", "cpu", "--dtype", "fp32", "--experts", "4", "--latent", "32", "--width", "48",
+                         "--tokens-per-expert", "5", "--rank", "4", "--repeats", "1", "--warmup", "1",
+                         "--impls", "native", "--profile"])
+    assert set(result["profiles"]) == {"base", "fused", "plain"}
+    assert all("Self CPU" in t for t in result["profiles"].values())
+    assert capsys.readouterr().err.count("== profile") == 3
