@@ -142,7 +142,12 @@ def run(args: argparse.Namespace) -> dict:
     with torch.no_grad():  # the same adapter values in both LoRA modules
         for n in fused.factor_names():
             getattr(plain, n).copy_(getattr(fused, n))
-    loras = {"fused": fused, "plain": plain}
+    loras = {"fused": fused}
+    for layout in args.fused_layouts:  # extra fused variants: "<slot multiple><s|x>", s = shared input buffer
+        m = copy.deepcopy(fused)
+        m.slot_multiple, m.shared_input = int(layout[:-1]), layout[-1] == "s"
+        loras[f"fused {layout}"] = m
+    loras["plain"] = plain
     counts_cpu = expert_counts(E, args.tokens_per_expert)
     counts = counts_cpu.to(device)
     rows = int(counts_cpu.sum())
@@ -255,6 +260,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--fused-layouts", type=lambda s: [t for t in s.split(",") if t], default=[],
+                    help="extra fused-path layouts to time, comma-separated <slot multiple><s|x>: e.g. 64s = K/N "
+                         "rounded up to a multiple of 64, gate/up sharing one input buffer; 128x = separate buffers")
     ap.add_argument("--profile", action="store_true",
                     help="also print torch.profiler's kernel table of one forward+backward of each module")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from k3.kernels.expert_lora import lora_down, lora_gate_up
+from k3.kernels.expert_lora import SHARED_INPUT, SLOT_MULTIPLE, lora_down, lora_gate_up, slot_width
 from k3.kernels.grouped_mm import grouped_mm
 from k3.lora.linear import xavier_bound
 from k3.model.moe import LatentExperts
@@ -93,6 +93,9 @@ class LoRALatentExperts(LatentExperts):
             self.w2_lora_A = factor(E, rank, Fi, fan_in=Fi)
             self.w2_lora_B = factor(Lt, rank)
         self.fused = fused
+        # The fused path's layout (k3/kernels/expert_lora.py): augmented K/N rounded up to this multiple, and
+        # gate/up reading slices of one input buffer. Changing either rebuilds the storage at the next forward.
+        self.slot_multiple, self.shared_input = SLOT_MULTIPLE, SHARED_INPUT
         self._augmented_storage: dict[str, torch.Tensor] = {}
         if fused:
             for name in self._augmented_names():
@@ -106,15 +109,17 @@ class LoRALatentExperts(LatentExperts):
         """The ``[w | slot]`` storage that base weight ``name`` is a view of; (re)built if ``name`` is not."""
         w = getattr(self, name)
         dim, after = _AUGMENTED[name]
+        slot = slot_width(w.shape[dim], self.rank, self.slot_multiple)
         aug = self._augmented_storage.get(name)
-        if aug is not None and aug.device == w.device and aug.dtype == w.dtype:
-            view = aug.narrow(dim, self.rank if after else 0, w.shape[dim])
+        if (aug is not None and aug.device == w.device and aug.dtype == w.dtype
+                and aug.shape[dim] == w.shape[dim] + slot):
+            view = aug.narrow(dim, slot if after else 0, w.shape[dim])
             if view.data_ptr() == w.data_ptr() and view.stride() == w.stride() and view.shape == w.shape:
                 return aug
         shape = list(w.shape)
-        shape[dim] += self.rank
-        aug = w.new_zeros(shape)
-        view = aug.narrow(dim, self.rank if after else 0, w.shape[dim])
+        shape[dim] += slot
+        aug = w.new_zeros(shape)  # the slot's columns past r stay zero
+        view = aug.narrow(dim, slot if after else 0, w.shape[dim])
         with torch.no_grad():
             view.copy_(w)
         w.data = view  # the Parameter keeps its identity (optimizers, hooks) and now aliases the storage
@@ -143,7 +148,7 @@ class LoRALatentExperts(LatentExperts):
         shared_A = torch.cat([self.w1_lora_A, self.w3_lora_A])  # [2r, Lt]: one GEMM for both projections
         if self._use_fused():
             return lora_gate_up(x, shared_A, self.w1_lora_B, self.w3_lora_B, self._augmented("w1"),
-                                self._augmented("w3"), counts, self.scale)
+                                self._augmented("w3"), counts, self.scale, self.shared_input)
         r = self.rank
         # The scale goes on the narrow [rows, 2r] product, not the wide [rows, F] outputs: one fewer full pass.
         gate, up = super().gate_up(x, counts)

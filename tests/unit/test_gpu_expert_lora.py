@@ -174,3 +174,11 @@ def test_profile_flag_prints_a_kernel_table_per_module(capsys):
     assert set(result["profiles"]) == {"base", "fused", "plain"}
     assert all("Self CPU" in t for t in result["profiles"].values())
     assert capsys.readouterr().err.count("== profile") == 3
+
+
+def test_fused_layout_variants_are_timed_and_agree():
+    result = bench.main(["--device", "cpu", "--dtype", "fp32", "--experts", "4", "--latent", "32", "--width", "48",
+                         "--tokens-per-expert", "5", "--rank", "4", "--repeats", "1", "--warmup", "1",
+                         "--impls", "native", "--fused-layouts", "8s,16x"])
+    assert [r["lora"] for r in result["results"]] == ["fused", "fused 8s", "fused 16x", "plain"]
+    assert all(a["rel"] <= REL_FP32 for a in result["lora_output_agreement"])

@@ -295,3 +295,31 @@ def test_merged_experts_run_the_base_gemms_on_the_strided_views():
     torch.testing.assert_close(m(x, counts), want, rtol=1e-4, atol=1e-4)
     unmerge_lora(m)
     torch.testing.assert_close(m(x, counts), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("multiple, shared", [(1, False), (8, True), (8, False), (32, True)])
+def test_fused_layouts_with_padded_slots_equal_the_plain_path(multiple, shared):
+    plain, fused = _pair(rank=4)
+    fused.slot_multiple, fused.shared_input = multiple, shared
+    counts = torch.tensor([2, 4, 0, 3, 6])
+    x = torch.randn(15, LT)
+    up = torch.randn(15, LT)
+    res = {}
+    for tag, m in (("plain", plain), ("fused", fused)):
+        xi = x.clone().requires_grad_(True)
+        out = m(xi, counts)
+        res[tag] = [out.detach(), *torch.autograd.grad(out, [xi] + [getattr(m, n) for n in m.factor_names()], up)]
+    slot = {"w1": fused._augmented_storage["w1"].shape[2] - LT, "w2": fused._augmented_storage["w2"].shape[1] - LT}
+    assert all(w >= 4 and (LT + w) % multiple == 0 for w in slot.values())
+    assert torch.count_nonzero(fused._augmented_storage["w1"][:, :, 4:slot["w1"]]) == 0  # the padding stays zero
+    for a, b in zip(res["fused"], res["plain"]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6 * float(b.abs().max()))
+
+
+def test_slot_width():
+    from k3.kernels.expert_lora import slot_width
+
+    assert slot_width(3584, 32) == 32 and slot_width(3584, 32, 64) == 64 and slot_width(3584, 32, 128) == 128
+    assert slot_width(3072, 32, 256) == 256 and slot_width(16, 4, 8) == 8
+    with pytest.raises(ValueError, match="rank=0"):
+        slot_width(16, 0)
