@@ -12,8 +12,10 @@ all rows with the stacked shared ``[w1_lora_A; w3_lora_A]``, then grouped per-ex
 (and for down, a grouped GEMM with the per-expert A's, then one GEMM with the shared B) — no Python loop
 over experts.
 
-That plain path is the reference. The default fast path (``fused=True``; ``k3/kernels/expert_lora.py``) folds
-the adapters into the base grouped GEMMs as r extra K/N columns: the frozen ``w1``/``w3``/``w2`` then live in
+That plain path is the default and the reference. The fused path (``fused=True``; ``k3/kernels/expert_lora.py``)
+folds the adapters into the base grouped GEMMs as r extra K/N columns — on the H200 it measured slower than the
+plain path (19.5–23% vs 17.8% of the base forward+backward, docs/PERFORMANCE.md: the native grouped GEMM loses
+~8% efficiency at K = base + r), so it is opt-in. With it, the frozen ``w1``/``w3``/``w2`` then live in
 "augmented" storage with an r-wide adapter slot (``w1`` is a view ``[E, F, Lt]`` of ``[E, F, r + Lt]``; +r/Lt
 memory, 0.9% at K3 widths). The storage is rebuilt when something replaces a base weight's tensor (``.to()``,
 ``load_state_dict(assign=True)``); in-place writes (loading, merging) keep it.
@@ -52,12 +54,13 @@ class LoRALatentExperts(LatentExperts):
         base: the experts to adapt.
         rank, alpha, dropout: as ``LoRAConfig`` (dropout on the adapter input, training only).
         fc1: adapt gate and up (``mlp.experts.linear_fc1``). fc2: adapt down (``mlp.experts.linear_fc2``).
-        fused: fold the adapters into the base GEMMs (``k3/kernels/expert_lora.py``); ``False`` keeps the base
-            weights as they are and always runs the plain path. Active dropout always takes the plain path.
+        fused: fold the adapters into the base GEMMs (``k3/kernels/expert_lora.py``; measured slower on the H200,
+            hence off by default); ``False`` keeps the base weights as they are and runs the plain path. Active
+            dropout always takes the plain path.
     """
 
     def __init__(self, base: LatentExperts, rank: int, alpha: float, dropout: float = 0.0,
-                 fc1: bool = True, fc2: bool = True, fused: bool = True) -> None:
+                 fc1: bool = True, fc2: bool = True, fused: bool = False) -> None:
         nn.Module.__init__(self)
         if not isinstance(base, LatentExperts):
             raise TypeError(f"LoRALatentExperts wraps LatentExperts, got {type(base).__name__}")

@@ -17,13 +17,13 @@ from k3.model.moe import LatentExperts
 E, LT, FI = 5, 16, 12
 
 
-def _experts(rank=4, alpha=8.0, fc1=True, fc2=True, seed=0, num_experts=E):
+def _experts(rank=4, alpha=8.0, fc1=True, fc2=True, seed=0, num_experts=E, fused=False):
     torch.manual_seed(seed)
     base = LatentExperts(num_experts, LT, FI, beta=4.0, linear_beta=25.0)
     with torch.no_grad():
         for w in (base.w1, base.w2, base.w3):
             w.normal_(std=0.2)
-    m = LoRALatentExperts(base, rank, alpha, fc1=fc1, fc2=fc2)
+    m = LoRALatentExperts(base, rank, alpha, fc1=fc1, fc2=fc2, fused=fused)
     with torch.no_grad():
         for name in m.factor_names():
             if name.endswith("_B"):
@@ -182,7 +182,7 @@ def _pair(rank=4, fc1=True, fc2=True, dtype=torch.float32):
     """The same experts and adapters twice: plain (reference) and fused."""
     _, plain = _experts(rank=rank, fc1=fc1, fc2=fc2)
     plain.fused = False
-    _, fused = _experts(rank=rank, fc1=fc1, fc2=fc2)
+    _, fused = _experts(rank=rank, fc1=fc1, fc2=fc2, fused=True)
     return plain.to(dtype), fused.to(dtype)
 
 
@@ -216,7 +216,7 @@ def test_fused_path_in_bf16_is_close_to_float32():
 
 
 def test_base_weights_live_in_augmented_storage_with_an_adapter_slot():
-    _, m = _experts(rank=4)
+    _, m = _experts(rank=4, fused=True)
     r = 4
     aug = {n: m._augmented_storage[n] for n in ("w1", "w3", "w2")}
     assert aug["w1"].shape == (E, FI, r + LT) and aug["w3"].shape == (E, FI, LT + r)
@@ -271,7 +271,7 @@ def test_two_forwards_before_the_backwards():
 
 
 def test_dropout_in_training_takes_the_plain_path(monkeypatch):
-    _, m = _experts()
+    _, m = _experts(fused=True)
     m.dropout = 0.1
     used = []
     monkeypatch.setattr(lora_experts, "lora_gate_up", lambda *a: used.append("gate_up"))
@@ -287,7 +287,7 @@ def test_dropout_in_training_takes_the_plain_path(monkeypatch):
 def test_merged_experts_run_the_base_gemms_on_the_strided_views():
     from k3.lora.merge import merge_lora, unmerge_lora
 
-    base, m = _experts()
+    base, m = _experts(fused=True)
     counts = torch.tensor([2, 1, 0, 3, 4])
     x = torch.randn(10, LT)
     want = m(x, counts)
