@@ -246,37 +246,48 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def shape_arguments(ap: argparse.ArgumentParser, repeats: int = 10) -> argparse.ArgumentParser:
+    """The routed-expert shape, timing, device and output options (shared with bench/gpu_grouped_mm.py)."""
     ap.add_argument("--experts", type=int, default=112)
     ap.add_argument("--latent", type=int, default=3584)
     ap.add_argument("--width", type=int, default=3072)
     ap.add_argument("--tokens-per-expert", type=int, default=146)
     ap.add_argument("--rank", type=int, default=32)
-    ap.add_argument("--alpha", type=float, default=64.0)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    ap.add_argument("--impls", type=lambda s: s.split(","), default=["native", "padded"],
-                    help="comma-separated grouped GEMM implementations: native, padded, auto")
-    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--repeats", type=int, default=repeats)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    return ap
+
+
+def report(result: dict, table: str, out: Path | None) -> dict:
+    """Print the markdown table; write the JSON when ``out`` is given."""
+    print(table)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = shape_arguments(argparse.ArgumentParser(description=__doc__,
+                                                 formatter_class=argparse.RawDescriptionHelpFormatter))
+    ap.add_argument("--alpha", type=float, default=64.0)
+    ap.add_argument("--impls", type=lambda s: s.split(","), default=["native", "padded"],
+                    help="comma-separated grouped GEMM implementations: native, padded, auto")
     ap.add_argument("--fused-layouts", type=lambda s: [t for t in s.split(",") if t], default=[],
                     help="extra fused-path layouts to time, comma-separated <slot multiple><s|x>: e.g. 64s = K/N "
                          "rounded up to a multiple of 64, gate/up sharing one input buffer; 128x = separate buffers")
     ap.add_argument("--profile", action="store_true",
                     help="also print torch.profiler's kernel table of one forward+backward of each module")
-    ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     return ap
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parser().parse_args(argv)
     result = run(args)
-    print(markdown(result))
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    return report(result, markdown(result), args.out)
 
 
 if __name__ == "__main__":

@@ -13,14 +13,13 @@ and ``vs flops`` is that ratio divided by the ratio of useful FLOPs (1.0 = the s
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_expert_lora import DTYPES, expert_counts, time_side_by_side  # noqa: E402
+from gpu_expert_lora import DTYPES, expert_counts, report, shape_arguments, time_side_by_side  # noqa: E402
 
 from k3.kernels.grouped_mm import grouped_mm  # noqa: E402
 
@@ -88,23 +87,9 @@ def markdown(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--experts", type=int, default=112)
-    ap.add_argument("--latent", type=int, default=3584)
-    ap.add_argument("--width", type=int, default=3072)
-    ap.add_argument("--tokens-per-expert", type=int, default=146)
-    ap.add_argument("--rank", type=int, default=32)
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
-    args = ap.parse_args(argv)
+    args = shape_arguments(ap, repeats=20).parse_args(argv)
     result = run(args)
-    print(markdown(result))
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    return report(result, markdown(result), args.out)
 
 
 if __name__ == "__main__":
