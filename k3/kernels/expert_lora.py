@@ -1,19 +1,22 @@
 """Shared-outer expert LoRA folded into the base grouped GEMMs: the adapter rides along as extra K (or N) columns.
 
-The plain math (``k3/lora/experts.py``, the reference) runs the base GEMM and the rank-r GEMMs separately and
-then adds full-width outputs; at K3's shapes those adds and the extra reads of the wide gradients cost ~19%
-of the base forward+backward. Here, for expert ``e`` with ``s = alpha / r`` and ``xa = s · x Aᵀ``:
+The plain math (``k3/lora/experts.py``, the default and the reference) runs the base GEMM and the rank-r GEMMs
+separately and then adds full-width outputs. Here, for expert ``e`` with ``s = alpha / r`` and ``xa = s · x Aᵀ``:
 
-    gate_e = [xa1 | x] @ [B1_e | w1_e]ᵀ          one grouped GEMM, K = r + Lt
-    up_e   = [x | xa3] @ [w3_e | B3_e]ᵀ          one grouped GEMM, K = Lt + r
-    [o | ha] = h @ [w2_e ; A2_e]ᵀ                 one grouped GEMM, N = Lt + r;   down_e = o + s · ha B2ᵀ
+    gate_e = [xa1 0 | x] @ [B1_e 0 | w1_e]ᵀ       one grouped GEMM, K = slot + Lt
+    up_e   = [x | xa3 0] @ [w3_e | B3_e 0]ᵀ       one grouped GEMM, K = Lt + slot
+    [o | ha 0] = h @ [w2_e ; A2_e ; 0]ᵀ            one grouped GEMM, N = Lt + slot;   down_e = o + s · ha B2ᵀ
 
-Both fc1 GEMMs read one buffer ``xcat = [xa1 | x | xa3]``: gate's operand is its first ``r + Lt`` columns, up's
-its last ``Lt + r`` (column slices, no copies). The augmented weights (``w1aug = [B1 | w1]`` ``[E, F, r+Lt]``,
-``w3aug = [w3 | B3]``, ``w2aug = [w2 ; A2]`` ``[E, Lt+r, F]``) are the frozen base's own storage with an
-r-wide slot that each forward refreshes from the adapter Parameter (``[E, F, r]``: a 22 MB copy at K3 widths).
-The backward is written out: one grouped GEMM per weight for the input gradient (its extra K/N columns are the
-gradients of ``xa`` / ``ha``), and a row-grouped ``gᵀ x`` for each per-expert factor.
+``slot`` >= r (``slot_width``: K/N may be rounded up to a tile multiple; the columns past r are zero). With
+``shared_input`` both fc1 GEMMs read one buffer ``[xa1 0 | x | xa3 0]`` as column slices (one copy of x). The
+augmented weights are the frozen base's own storage with the slot that each forward refreshes from the adapter
+Parameter (``[E, F, r]``: a 22 MB copy at K3 widths). The backward is written out: one grouped GEMM per weight
+for the input gradient (its extra K/N columns are the gradients of ``xa`` / ``ha``), and a row-grouped ``gᵀ x``
+for each per-expert factor.
+
+Measured on the H200 (docs/PERFORMANCE.md), this is slower than the plain path: torch's grouped GEMM loses 8–12%
+of its speed at any K other than the base's, more than the passes over memory it saves. It is therefore opt-in
+(``LoRALatentExperts(fused=True)``).
 
 The adapter slot is read again in backward: the adapter must not change between a forward and its backward (an
 optimizer step always comes after the backward). Dropout on the adapter input is not folded (the adapter would

@@ -16,7 +16,7 @@ That plain path is the default and the reference. The fused path (``fused=True``
 folds the adapters into the base grouped GEMMs as r extra K/N columns — on the H200 it measured slower than the
 plain path (19.5–23% vs 17.8% of the base forward+backward, docs/PERFORMANCE.md: the native grouped GEMM loses
 ~8% efficiency at K = base + r), so it is opt-in. With it, the frozen ``w1``/``w3``/``w2`` then live in
-"augmented" storage with an r-wide adapter slot (``w1`` is a view ``[E, F, Lt]`` of ``[E, F, r + Lt]``; +r/Lt
+"augmented" storage with an adapter slot (``w1`` is a view ``[E, F, Lt]`` of ``[E, F, slot + Lt]``; +slot/Lt
 memory, 0.9% at K3 widths). The storage is rebuilt when something replaces a base weight's tensor (``.to()``,
 ``load_state_dict(assign=True)``); in-place writes (loading, merging) keep it.
 """
@@ -37,7 +37,7 @@ __all__ = ["LoRALatentExperts", "EXPERT_FACTORS"]
 # Factor names in the order a routed-experts chunk lists them.
 EXPERT_FACTORS = ("w1_lora_A", "w1_lora_B", "w3_lora_A", "w3_lora_B", "w2_lora_A", "w2_lora_B")
 
-# Augmented storage per base weight: (dim that grows by r, whether the base sits after the slot).
+# Augmented storage per base weight: (dim that grows by the slot, whether the base sits after the slot).
 # w1aug = [B1 | w1] and w3aug = [w3 | B3] so that gate's and up's inputs are column slices of one
 # [xa1 | x | xa3] buffer; w2aug = [w2 ; A2].
 _AUGMENTED = {"w1": (2, True), "w3": (2, False), "w2": (1, False)}
