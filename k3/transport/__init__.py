@@ -4,6 +4,7 @@ from k3.transport.handoff import (
     Ack,
     AdapterProducer,
     AdapterReceiver,
+    BufferSlice,
     ChunkHeader,
     HandoffError,
     HandoffRejected,
@@ -14,6 +15,6 @@ from k3.transport.handoff import (
 from k3.transport.leakcheck import LeakCheck, LeakError, LeakReport
 
 __all__ = [
-    "Ack", "AdapterProducer", "AdapterReceiver", "ChunkHeader", "HandoffError", "HandoffRejected",
+    "Ack", "AdapterProducer", "AdapterReceiver", "BufferSlice", "ChunkHeader", "HandoffError", "HandoffRejected",
     "HandoffTimeout", "TransferBuffer", "spawn_receiver", "LeakCheck", "LeakError", "LeakReport",
 ]

@@ -7,7 +7,9 @@ the chunk out of the bucket, drops its reference, and only then acks, so:
 
 * the producer keeps the bucket alive until the ack (and, with several producers feeding one engine, until
   every producer has crossed ``barrier``), then releases it and, on CUDA, runs ``torch.cuda.ipc_collect()``;
-* a persistent ``TransferBuffer`` can be overwritten by the next chunk as soon as the ack arrives.
+* a persistent ``TransferBuffer`` can be overwritten by the next chunk as soon as the ack arrives. It is shared
+  once per allocation; its chunks then travel as small ``BufferSlice`` headers, ordered on CUDA by an
+  interprocess event instead of a host sync.
 
 Versioning: chunks of a version arrive in order (``is_first`` ... ``is_last``); the receiver rejects a chunk
 whose version, index or names do not fit the stream, discards the half-built version, and activates a
@@ -39,7 +41,8 @@ import torch
 import torch.multiprocessing as mp
 
 __all__ = [
-    "ChunkHeader", "Ack", "TransferBuffer", "LocalBucket", "AdapterProducer", "AdapterReceiver", "spawn_receiver", "serve",
+    "ChunkHeader", "Ack", "TransferBuffer", "BufferSlice", "LocalBucket", "AdapterProducer", "AdapterReceiver",
+    "spawn_receiver", "serve",
     "flatten_into", "unflatten", "digest_tensors", "use_file_system_sharing",
     "HandoffError", "HandoffRejected", "HandoffTimeout",
 ]
@@ -80,10 +83,6 @@ class ChunkHeader:
     shapes: tuple[tuple[int, ...], ...]
     dtype: torch.dtype
     config: dict[str, Any] = field(default_factory=dict)
-    # The bucket is a view of the producer's persistent TransferBuffer: the receiver keeps it mapped from chunk to
-    # chunk and version to version (the producer holds that memory for the whole run anyway), so every later
-    # chunk's handle hits torch's shared-storage cache instead of opening and closing the mapping again.
-    persistent: bool = False
 
     @property
     def numel(self) -> int:
@@ -100,6 +99,10 @@ class Ack:
     error: str = ""
     digest: str | None = None
     active_version: int = 0
+    # When the chunk reached ``receive`` (``time.perf_counter``: CLOCK_MONOTONIC, comparable across the processes
+    # of one host) and the seconds it spent there (checks, the copy out, the stream sync): where a sync's time goes.
+    received_at: float = 0.0
+    receive_s: float = 0.0
 
 
 def use_file_system_sharing() -> None:
@@ -148,12 +151,18 @@ def _sync_device(device: torch.device) -> None:
 class TransferBuffer:
     """One persistent flat bucket per device that chunks are copied into, growing when a chunk is larger.
 
-    Reusing one allocation means one IPC handle / one shared-memory segment for the whole run instead of a
-    fresh one per chunk (fresh buckets rotate handles and ref-counter files and race the consumer's
-    release). The public recipe capped it at 512 MiB and asserted, which fails at rank >= 33 with expert
-    down-projection adapters; here it grows to ``max(needed, 2 x old)`` elements. Overwriting is safe only
-    because the producer waits for the ack of the previous chunk; after each copy the device stream is
-    synchronized, because CUDA IPC records its sync event only when a storage is first shared.
+    Reusing one allocation means the buffer is shared with the receiver once per allocation (a *generation*),
+    not once per chunk: after that a chunk travels as a ``BufferSlice`` header naming the generation and its
+    length, and the receiver reads it from the mapping it holds. Fresh buckets instead rotate IPC handles and
+    ref-counter files per chunk and race the consumer's release. The public recipe capped its buffer at 512 MiB
+    and asserted, which fails at rank >= 33 with expert down-projection adapters; here it grows to
+    ``max(needed, 2 x old)`` elements, and a grown buffer is a new generation that is shared again.
+
+    Ordering on CUDA: ``stage`` enqueues the copy and records ``event`` (interprocess) behind it, without a
+    host sync; the receiver makes its stream wait on that event before it copies out. torch's own IPC event
+    cannot serve here: it is recorded only when a storage is first shared, and the receiver skips it when the
+    mapping is cached. Overwriting is safe because the producer stages the next chunk only after the ack,
+    which the receiver sends after its copy has finished.
 
     ``capacity`` is in elements of ``dtype``; ``grows`` counts reallocations after the first.
     """
@@ -164,13 +173,25 @@ class TransferBuffer:
             self.device = torch.device("cuda", torch.cuda.current_device())  # compare equal to tensors' devices
         self.dtype = dtype
         self.grows = 0
+        self.generation = 0  # bumped by every allocation: the receiver must map each generation once
         self._buffer: torch.Tensor | None = None
+        self._event: torch.cuda.Event | None = None
         if initial_numel > 0:
             self._allocate(initial_numel)
 
     @property
     def capacity(self) -> int:
         return 0 if self._buffer is None else self._buffer.numel()
+
+    @property
+    def buffer(self) -> torch.Tensor | None:
+        """The whole current buffer (what a new generation shares), or None before the first chunk."""
+        return self._buffer
+
+    @property
+    def event(self) -> "torch.cuda.Event | None":
+        """The interprocess event recorded behind every staged copy (CUDA only; created at the first stage)."""
+        return self._event
 
     def _allocate(self, numel: int) -> None:
         if self._buffer is not None:
@@ -180,19 +201,38 @@ class TransferBuffer:
         if buf.device.type == "cpu":
             buf.share_memory_()
         self._buffer = buf
+        self.generation += 1
 
     def stage(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Copy ``tensors`` (all of ``dtype``) into the buffer; returns the filled prefix, ready to send."""
+        """Copy ``tensors`` (all of ``dtype``) into the buffer; returns the filled prefix.
+
+        On CUDA the copy is only enqueued: ``event`` marks its end for the receiver's stream."""
         numel = sum(t.numel() for t in tensors)
         if numel > self.capacity:
             self._allocate(max(numel, 2 * self.capacity))
         prefix = flatten_into(self._buffer, tensors)
-        _sync_device(self.device)
+        if self.device.type == "cuda":
+            if self._event is None:
+                self._event = torch.cuda.Event(enable_timing=False, interprocess=True)
+            self._event.record(torch.cuda.current_stream(self.device))
         return prefix
 
     def release(self) -> None:
         """Free the buffer (after the last sync of a run)."""
         self._buffer = None
+
+
+@dataclass(frozen=True)
+class BufferSlice:
+    """A chunk that sits in the first ``numel`` elements of the producer's ``TransferBuffer`` generation
+    ``generation``. ``buffer`` (the whole buffer: a tensor that pickles as an IPC handle or a ``/dev/shm`` name,
+    or a ``LocalBucket``) and ``event`` (``torch.cuda.Event.ipc_handle()`` bytes) travel only with the first chunk
+    of a generation; the receiver keeps both until the next generation or the close."""
+
+    generation: int
+    numel: int
+    buffer: Any = None
+    event: bytes | None = None
 
 
 class AdapterProducer:
@@ -230,6 +270,7 @@ class AdapterProducer:
         self.same_process = same_process
         # Buckets sent but not acked, by (version, index): the receiver may still be reading them.
         self.unacked: dict[tuple[int, int], torch.Tensor] = {}
+        self._shared_generation = 0  # the transfer buffer generation the receiver has mapped (0: none)
         self._closed = False
         use_file_system_sharing()
 
@@ -257,7 +298,6 @@ class AdapterProducer:
         header = ChunkHeader(
             version=chunk.version, index=index, is_first=chunk.is_first, is_last=chunk.is_last, names=names,
             shapes=tuple(tuple(t.shape) for t in tensors), dtype=tensors[0].dtype, config=dict(chunk.config),
-            persistent=self.transfer_buffer is not None,
         )
         if self.transfer_buffer is not None:
             if self.transfer_buffer.dtype != header.dtype or self.transfer_buffer.device != tensors[0].device:
@@ -269,16 +309,19 @@ class AdapterProducer:
             if bucket.device.type == "cpu":
                 bucket.share_memory_()  # allocate in shm directly: pickling would otherwise move (copy) it there
             flatten_into(bucket, tensors)
-            _sync_device(bucket.device)
+            # No host sync across processes: sharing a fresh CUDA storage records torch's IPC event behind the
+            # copy, and the receiver's stream waits on it when it opens the handle.
             if self.on_bucket is not None:
                 self.on_bucket(bucket)
+        if self.same_process:
+            _sync_device(bucket.device)  # no IPC event between two threads of one process: finish the copy here
         del tensors  # the chunk's own tensors can go as soon as the bucket holds them
         key = (header.version, index)
         self.unacked[key] = bucket
-        if self.same_process:
-            token = LocalBucket(id(bucket))
-            _LOCAL_BUCKETS[token.key] = bucket
-            payload = (header, token)
+        if self.transfer_buffer is not None:
+            payload = (header, self._buffer_slice(bucket.numel()))
+        elif self.same_process:
+            payload = (header, self._local_token(bucket))
         else:
             payload = (header, bucket)
         del bucket  # only ``unacked`` may keep it: a traceback holding it would pin the segment
@@ -296,6 +339,23 @@ class AdapterProducer:
         if not ack.ok:
             raise HandoffRejected(f"receiver rejected chunk {index} of version {header.version}: {ack.error}")
         return ack
+
+    def _local_token(self, tensor: torch.Tensor) -> "LocalBucket":
+        token = LocalBucket(id(tensor))
+        _LOCAL_BUCKETS[token.key] = tensor
+        return token
+
+    def _buffer_slice(self, numel: int) -> "BufferSlice":
+        """The header of a chunk staged in the transfer buffer; the buffer (and its event) ride along only the
+        first time the receiver sees this generation."""
+        tb = self.transfer_buffer
+        if self._shared_generation == tb.generation:
+            return BufferSlice(tb.generation, numel)
+        self._shared_generation = tb.generation
+        if self.same_process:
+            return BufferSlice(tb.generation, numel, buffer=self._local_token(tb.buffer))
+        event = tb.event.ipc_handle() if tb.event is not None else None
+        return BufferSlice(tb.generation, numel, buffer=tb.buffer, event=event)
 
     def _wait_ack(self, key: tuple[int, int]) -> Ack:
         deadline = time.monotonic() + self.ack_timeout_s
@@ -462,13 +522,19 @@ class AdapterReceiver:
 
     def receive(self, header: ChunkHeader, bucket: torch.Tensor) -> Ack:
         """Check one chunk against the stream, copy it out of ``bucket``, activate on the last; never raises."""
+        start = time.perf_counter()
         try:
             digest = self._receive(header, bucket)
         except _Reject as e:
-            self.rejected += 1
-            self._staging = None  # a half-built version is thrown away, never activated
-            return Ack(header.version, header.index, ok=False, error=str(e), active_version=self.active_version)
-        return Ack(header.version, header.index, ok=True, digest=digest, active_version=self.active_version)
+            return self.refuse(header, str(e))
+        return Ack(header.version, header.index, ok=True, digest=digest, active_version=self.active_version,
+                   received_at=start, receive_s=time.perf_counter() - start)
+
+    def refuse(self, header: ChunkHeader, error: str) -> Ack:
+        """Reject one chunk: the half-built version is thrown away, never activated; the active one stays."""
+        self.rejected += 1
+        self._staging = None
+        return Ack(header.version, header.index, ok=False, error=error, active_version=self.active_version)
 
     def _receive(self, h: ChunkHeader, bucket: torch.Tensor) -> str | None:
         if h.is_first:
@@ -496,10 +562,10 @@ class AdapterReceiver:
                 if tuple(shape) != self.expected[name]:
                     raise _Reject(f"version {h.version}: {name} has shape {tuple(shape)}, expected "
                                   f"{self.expected[name]}")
-        device = self.device or bucket.device
-        for name, view in unflatten(bucket, h.names, h.shapes):
-            self._staging[name] = view.to(device, copy=True)
-        _sync_device(bucket.device)  # the copies must be done before the ack lets the producer reuse the bucket
+        # One copy of the whole chunk (one kernel on CUDA), cut into views: the tensors of a chunk share storage.
+        flat = bucket.to(self.device or bucket.device, copy=True)
+        self._staging.update(unflatten(flat, h.names, h.shapes))
+        _sync_device(bucket.device)  # the copy must be done before the ack lets the producer reuse the bucket
         self._next_index += 1
         if not h.is_last:
             return None
@@ -535,13 +601,36 @@ class _Reject(Exception):
     pass
 
 
+class _MappedBuffer:
+    """The receiver's side of one ``TransferBuffer`` generation: the mapped buffer and its interprocess event."""
+
+    def __init__(self, first: BufferSlice) -> None:
+        buffer = first.buffer
+        self.buffer = _LOCAL_BUCKETS.pop(buffer.key) if isinstance(buffer, LocalBucket) else buffer
+        self.generation = first.generation
+        self.event = (torch.cuda.Event.from_ipc_handle(self.buffer.device, first.event)
+                      if first.event is not None else None)
+
+    def chunk(self, s: BufferSlice) -> torch.Tensor:
+        """The chunk ``s`` names, as a view of the buffer, ordered after the producer's copy into it."""
+        if s.generation != self.generation or s.numel > self.buffer.numel():
+            raise _Reject(f"the chunk sits in transfer buffer generation {s.generation} ({s.numel} elements), but "
+                          f"generation {self.generation} ({self.buffer.numel()} elements) is the one mapped here")
+        if self.event is not None:
+            torch.cuda.current_stream(self.buffer.device).wait_event(self.event)
+        return self.buffer[:s.numel]
+
+
 def serve(conn: Connection, receiver: AdapterReceiver) -> None:
     """Run ``receiver`` on ``conn`` until the producer says close (or goes away): one ack per chunk.
 
     Works on any ``multiprocessing`` connection — a spawned child's pipe, or a Unix socket between two
     unrelated processes such as two Ray actors (CPU buckets travel as named ``/dev/shm`` files, CUDA buckets
-    as IPC handles)."""
-    held: list[torch.Tensor] = []  # the persistent buffer's mapping, kept until another bucket or the close
+    as IPC handles). A fresh bucket's mapping is dropped before its ack (the producer frees it on the ack).
+    The transfer buffer is mapped once per generation and kept until the next generation or the close: opening
+    a CUDA IPC handle costs about as much as the copies, and the producer holds that memory for the run anyway.
+    """
+    mapped: _MappedBuffer | None = None
     while True:
         try:
             msg = conn.recv()
@@ -549,16 +638,26 @@ def serve(conn: Connection, receiver: AdapterReceiver) -> None:
             return
         if isinstance(msg, str) and msg == _CLOSE:
             return
-        header, bucket = msg
+        header, payload = msg
         del msg
-        if isinstance(bucket, LocalBucket):
-            bucket = _LOCAL_BUCKETS.pop(bucket.key)
+        if isinstance(payload, BufferSlice):
+            if payload.buffer is not None:
+                mapped = None  # drop the old generation first: its memory can go on the producer's side
+                mapped = _MappedBuffer(payload)
+            try:
+                if mapped is None:
+                    raise _Reject(f"the chunk sits in transfer buffer generation {payload.generation}, which was "
+                                  "never shared with this receiver")
+                bucket = mapped.chunk(payload)
+            except _Reject as e:
+                conn.send(receiver.refuse(header, str(e)))
+                continue
+        elif isinstance(payload, LocalBucket):
+            bucket = _LOCAL_BUCKETS.pop(payload.key)
+        else:
+            bucket = payload
+        del payload
         ack = receiver.receive(header, bucket)
-        # A fresh bucket's mapping is dropped before the ack (the producer frees it on the ack). A view of the
-        # persistent buffer stays mapped across chunks and versions: opening a CUDA IPC handle per sync costs
-        # about as much as the copies. A grown buffer's first chunk replaces the old mapping (which lets the
-        # producer's old block go); the close drops the last one.
-        held[:] = [bucket] if header.persistent and ack.ok else []
         del bucket
         conn.send(ack)
 

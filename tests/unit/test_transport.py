@@ -419,3 +419,88 @@ def test_the_persistent_buffer_is_mapped_once_per_run_and_fresh_buckets_once_per
     finally:
         if proc.is_alive():
             proc.kill()
+
+
+class _RecordingPayloads(_Recording):
+    """Notes every chunk payload itself (a ``BufferSlice`` is small and picklable, so keeping it is harmless)."""
+
+    def recv(self):
+        msg = self.conn.recv()
+        if isinstance(msg, tuple):
+            self.seen.append(msg[1])
+        return msg
+
+
+def _serve_in_thread(tmp_path, receiver, seen):
+    """``serve`` on a Unix socket in a thread of this process; returns the producer's connection and the thread."""
+    import threading
+    from multiprocessing.connection import Client, Listener
+
+    path, key = str(tmp_path / "adapter.sock"), b"k" * 16
+    listener = Listener(path, family="AF_UNIX", authkey=key)
+    from k3.transport import handoff
+
+    thread = threading.Thread(target=lambda: handoff.serve(_RecordingPayloads(listener.accept(), seen), receiver),
+                              daemon=True)
+    thread.start()
+    conn = Client(path, family="AF_UNIX", authkey=key)
+    return conn, thread, listener
+
+
+@pytest.mark.parametrize("same_process", [False, True])
+def test_the_transfer_buffer_is_shared_once_per_generation_and_chunks_travel_as_headers(tmp_path, same_process):
+    """Only the first chunk of a buffer generation carries the buffer; every other chunk is a ``BufferSlice`` of
+    two integers. A grown buffer is a new generation, shared again with the chunk that needed it."""
+    from k3.transport.handoff import BufferSlice
+
+    seen: list = []
+    rx = _make_receiver()
+    # Without same_process the payloads go through torch's pickler as between two processes (a CPU buffer is
+    # mapped again from its /dev/shm name); with it, the buffer travels as a LocalBucket token.
+    conn, thread, listener = _serve_in_thread(tmp_path, rx, seen)
+    m = _tiny_lora()
+    chunks = list(export_chunks(m, 1))
+    sizes = [sum(t.numel() for _, t in c.tensors) for c in chunks]
+    buffer = TransferBuffer("cpu", torch.bfloat16, initial_numel=min(sizes))
+    producer = AdapterProducer(conn, transfer_buffer=buffer, ack_timeout_s=30, same_process=same_process)
+    for v in (1, 2):
+        want = digest_tensors([kv for c in export_chunks(m, v) for kv in c.tensors])
+        ack = producer.send_version(export_chunks(m, v))
+        assert ack.ok and ack.active_version == v and ack.digest == want
+    assert all(isinstance(p, BufferSlice) for p in seen) and len(seen) == 2 * len(chunks)
+    carrying = [i for i, p in enumerate(seen) if p.buffer is not None]
+    generations = [p.generation for p in seen]
+    # generation 1 (the initial allocation) goes with chunk 0; each growth goes with the chunk that caused it
+    grown_at = [i for i in range(1, len(seen)) if generations[i] != generations[i - 1]]
+    assert carrying == [0] + grown_at and generations[-1] == buffer.generation == 1 + buffer.grows
+    assert all(p.numel == n for p, n in zip(seen, sizes + sizes))
+    assert all(p.event is None for p in seen)  # CPU: copies are synchronous, there is no event to wait on
+    producer.close()
+    thread.join(timeout=10)
+    listener.close()
+    assert not thread.is_alive()
+    from k3.transport import handoff
+    assert not handoff._LOCAL_BUCKETS
+
+
+def test_a_slice_of_a_generation_the_receiver_never_mapped_is_refused_and_the_stream_goes_on(tmp_path):
+    from k3.transport.handoff import BufferSlice
+
+    rx = _make_receiver()
+    conn, thread, listener = _serve_in_thread(tmp_path, rx, [])
+    m = _tiny_lora()
+    first = next(iter(export_chunks(m, 1)))
+    header, _ = _header_bucket(first, 0)
+    conn.send((header, BufferSlice(generation=3, numel=header.numel)))
+    ack = conn.recv()
+    assert not ack.ok and "generation 3" in ack.error and "never shared" in ack.error and rx.rejected == 1
+    # the same receiver still takes a proper stream afterwards
+    producer = AdapterProducer(conn, transfer_buffer=TransferBuffer("cpu", torch.bfloat16), ack_timeout_s=30)
+    assert producer.send_version(export_chunks(m, 1)).ok
+    # a slice of an older generation than the one mapped is refused too
+    conn.send((header, BufferSlice(generation=0, numel=header.numel)))
+    ack = conn.recv()
+    assert not ack.ok and "generation 0" in ack.error and "is the one mapped here" in ack.error
+    producer.close()
+    thread.join(timeout=10)
+    listener.close()
