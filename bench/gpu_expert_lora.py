@@ -1,11 +1,14 @@
 """Routed experts with shared-outer LoRA vs the frozen base experts alone, forward and forward+backward.
 
     python bench/gpu_expert_lora.py --out $OUT/gpu_expert_lora.json     # 112 experts (896 / EP8), K3 widths, r 32
+    python bench/gpu_expert_lora.py --impls native --triton-block-m 32,128 --out $OUT/gpu_expert_lora_triton.json
 
 The base is ``k3.model.moe.LatentExperts`` (w1/w3 ``[E, F, Lt]``, w2 ``[E, Lt, F]``, frozen); the adapted module
-is ``k3.lora.experts.LoRALatentExperts`` built on copies of the same weights, twice: ``fused`` (the default: the
-adapters ride the base grouped GEMMs as extra K/N columns, ``k3/kernels/expert_lora.py``) and ``plain`` (separate
-rank-r GEMMs and full-width adds, the reference math). Rows are ``tokens_per_expert`` on average per
+is ``k3.lora.experts.LoRALatentExperts`` built on copies of the same weights: ``fused`` (the adapters ride the base
+grouped GEMMs as extra K/N columns, ``k3/kernels/expert_lora.py``), ``plain`` (separate rank-r GEMMs and
+full-width adds, the reference math and the module's default) and, where Triton runs (CUDA), ``triton`` (the plain
+math with the rank-r grouped GEMMs on ``k3/kernels/lora_grouped.py``'s kernels, the adds in their epilogues;
+``--triton-block-m 32,128`` adds rows with other row tiles). Rows are ``tokens_per_expert`` on average per
 expert (a seeded multinomial, so the counts are uneven as a router's are), sorted by expert. Forward+backward is
 ``autograd.grad`` of the output against a fixed upstream gradient, w.r.t. the input rows (as in training, where
 earlier layers have adapters too) and, with LoRA, the six adapter factors. Both modules run side by side in one
@@ -34,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 import k3.kernels.expert_lora as expert_lora_mod
+import k3.kernels.lora_grouped as lora_grouped_mod
 import k3.lora.experts as lora_experts_mod
 import k3.model.moe as moe_mod
 from k3.kernels.grouped_mm import grouped_mm, grouped_weight_grad, native_grouped_mm_supported
@@ -57,14 +61,38 @@ def forced_impl(impl: str) -> Iterator[None]:
     """Run the base and LoRA experts with one grouped GEMM implementation (``auto``, ``native``, ``padded``)."""
     forced = functools.partial(grouped_mm, impl=impl)
     saved = (moe_mod.grouped_mm, lora_experts_mod.grouped_mm, expert_lora_mod.grouped_mm,
-             expert_lora_mod.grouped_weight_grad)
+             expert_lora_mod.grouped_weight_grad, lora_grouped_mod.grouped_mm)
     moe_mod.grouped_mm = lora_experts_mod.grouped_mm = expert_lora_mod.grouped_mm = forced
+    lora_grouped_mod.grouped_mm = forced  # the triton path's base GEMMs (its rank-r parts are Triton regardless)
     expert_lora_mod.grouped_weight_grad = functools.partial(grouped_weight_grad, impl=impl)
     try:
         yield
     finally:
         (moe_mod.grouped_mm, lora_experts_mod.grouped_mm, expert_lora_mod.grouped_mm,
-         expert_lora_mod.grouped_weight_grad) = saved
+         expert_lora_mod.grouped_weight_grad, lora_grouped_mod.grouped_mm) = saved
+
+
+@contextlib.contextmanager
+def triton_block_m(block_m: int | None) -> Iterator[None]:
+    """Run the Triton LoRA kernels with ``block_m`` rows per tile (all three kernels); None: their defaults."""
+    saved = {k: v["block_m"] for k, v in lora_grouped_mod.DEFAULT_BLOCKS.items()}
+    if block_m is not None:
+        for v in lora_grouped_mod.DEFAULT_BLOCKS.values():
+            v["block_m"] = block_m
+    try:
+        yield
+    finally:
+        for k, bm in saved.items():
+            lora_grouped_mod.DEFAULT_BLOCKS[k]["block_m"] = bm
+
+
+def triton_status(device: torch.device) -> str | None:
+    """None where the Triton LoRA path runs on ``device``, else why not."""
+    if lora_grouped_mod.triton_runs_on(device):
+        return None
+    if not lora_grouped_mod.triton_available():
+        return "Triton is not importable"
+    return f"the Triton kernels do not run on {device} (CUDA, or the CPU under TRITON_INTERPRET=1)"
 
 
 def build(E: int, Lt: int, Fi: int, rank: int, alpha: float, dtype: torch.dtype, device: torch.device,
@@ -148,6 +176,16 @@ def run(args: argparse.Namespace) -> dict:
         m.slot_multiple, m.shared_input = int(layout[:-1]), layout[-1] == "s"
         loras[f"fused {layout}"] = m
     loras["plain"] = plain
+    block_m_of: dict[str, int | None] = {}  # the Triton LoRA paths and their row tile
+    no_triton = triton_status(device)
+    if no_triton is None:
+        triton_lora = copy.deepcopy(plain)  # one module (one more copy of the base weights) for every row tile
+        triton_lora.lora_impl = "triton"
+        for bm in [None, *args.triton_block_m]:
+            name = "triton" if bm is None else f"triton bm{bm}"
+            loras[name], block_m_of[name] = triton_lora, bm
+    else:
+        print(f"  no triton LoRA path: {no_triton}", file=sys.stderr, flush=True)
     counts_cpu = expert_counts(E, args.tokens_per_expert)
     counts = counts_cpu.to(device)
     rows = int(counts_cpu.sum())
@@ -155,17 +193,18 @@ def run(args: argparse.Namespace) -> dict:
     x = torch.randn(rows, Lt, generator=gen, device=device).to(dtype).requires_grad_()
     dy = torch.randn(rows, Lt, generator=gen, device=device).to(dtype)
 
-    def fwd(module):
+    def fwd(module, block_m=None):
         def step():
-            with torch.no_grad():
+            with torch.no_grad(), triton_block_m(block_m):
                 return module(x, counts)
         return step
 
-    def fwd_bwd(module):
+    def fwd_bwd(module, block_m=None):
         wrt = [x] + [getattr(module, n) for n in getattr(module, "factor_names", lambda: ())()]
 
         def step():
-            torch.autograd.grad(module(x, counts), wrt, grad_outputs=dy)
+            with triton_block_m(block_m):
+                torch.autograd.grad(module(x, counts), wrt, grad_outputs=dy)
         return step
 
     flops_fwd = 2 * rows * Lt * Fi * 3  # three GEMMs of the base
@@ -179,11 +218,11 @@ def run(args: argparse.Namespace) -> dict:
             with forced_impl(impl):
                 fns = {"base_fwd": fwd(base), "base_fwd_bwd": fwd_bwd(base)}
                 for name, m in loras.items():
-                    fns[f"{name}_fwd"], fns[f"{name}_fwd_bwd"] = fwd(m), fwd_bwd(m)
+                    bm = block_m_of.get(name)
+                    fns[f"{name}_fwd"], fns[f"{name}_fwd_bwd"] = fwd(m, bm), fwd_bwd(m, bm)
                 t = time_side_by_side(fns, args.repeats, args.warmup, device)
-                with torch.no_grad():
-                    for name, m in loras.items():
-                        outputs[f"{impl}/{name}"] = m(x, counts).float()
+                for name, m in loras.items():
+                    outputs[f"{impl}/{name}"] = fwd(m, block_m_of.get(name))().float()
         except Exception as e:  # noqa: BLE001 - one implementation failing must not lose the others' numbers
             results.append({"impl": impl, "skipped": f"failed: {type(e).__name__}: {str(e)[:200]}"})
             print(f"  {impl}: failed: {e!r}", file=sys.stderr, flush=True)
@@ -202,7 +241,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.profile:
         with forced_impl(args.impls[0]):
             for name, m in {"base": base, **loras}.items():
-                profiles[name] = kernel_table(fwd_bwd(m), device)
+                profiles[name] = kernel_table(fwd_bwd(m, block_m_of.get(name)), device)
                 print(f"== profile {name} fwd+bwd ({args.impls[0]})\n{profiles[name]}", file=sys.stderr, flush=True)
     agreement = []
     if outputs:
@@ -218,6 +257,10 @@ def run(args: argparse.Namespace) -> dict:
         "shape": {"experts": E, "latent": Lt, "width": Fi, "rank": r, "alpha": args.alpha, "rows": rows,
                   "tokens_per_expert_mean": rows / E, "tokens_per_expert_max": int(counts_cpu.max()),
                   "tokens_per_expert_min": int(counts_cpu.min())},
+        "triton_lora": {"runs": no_triton is None, "why_not": no_triton,
+                        "triton": getattr(lora_grouped_mod.triton, "__version__", None),
+                        "default_blocks": copy.deepcopy(lora_grouped_mod.DEFAULT_BLOCKS),
+                        "block_m": {n: bm for n, bm in block_m_of.items()}},
         "repeats": args.repeats, "warmup": args.warmup, "results": results, "lora_output_agreement": agreement,
         "profiles": profiles,
         "command": "python bench/gpu_expert_lora.py " + " ".join(sys.argv[1:]),
@@ -241,6 +284,8 @@ def markdown(result: dict) -> str:
                      f"{100 * r['overhead_fwd']:.1f}% | {r['base_fwd_bwd_ms']:.3f} | {r['lora_fwd_bwd_ms']:.3f} | "
                      f"{100 * r['overhead_fwd_bwd']:.1f}% | {'yes' if r['meets_goal'] else 'NO'} | "
                      f"{r['base_fwd_tflops']:.0f} |")
+    if not result["triton_lora"]["runs"]:
+        lines += ["", f"No triton LoRA path: {result['triton_lora']['why_not']}"]
     for a in result["lora_output_agreement"]:
         lines += ["", f"LoRA output {a['pair']}: relative {a['rel']:.2e}, max abs {a['max_abs']:.2e}"]
     return "\n".join(lines)
@@ -279,6 +324,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--fused-layouts", type=lambda s: [t for t in s.split(",") if t], default=[],
                     help="extra fused-path layouts to time, comma-separated <slot multiple><s|x>: e.g. 64s = K/N "
                          "rounded up to a multiple of 64, gate/up sharing one input buffer; 128x = separate buffers")
+    ap.add_argument("--triton-block-m", type=lambda s: [int(t) for t in s.split(",") if t], default=[],
+                    help="extra triton LoRA paths to time, comma-separated rows per tile for all three kernels "
+                         "(powers of two >= 16; the default tile is always timed)")
     ap.add_argument("--profile", action="store_true",
                     help="also print torch.profiler's kernel table of one forward+backward of each module")
     return ap

@@ -19,6 +19,10 @@ plain path (19.5–23% vs 17.8% of the base forward+backward, docs/PERFORMANCE.m
 "augmented" storage with an adapter slot (``w1`` is a view ``[E, F, Lt]`` of ``[E, F, slot + Lt]``; +slot/Lt
 memory, 0.9% at K3 widths). The storage is rebuilt when something replaces a base weight's tensor (``.to()``,
 ``load_state_dict(assign=True)``); in-place writes (loading, merging) keep it.
+
+``lora_impl="triton"`` runs the plain path's rank-r grouped GEMMs on Triton kernels (``k3/kernels/lora_grouped.py``:
+the full-width adds in the kernels' epilogues, torch's grouped GEMM measured far from bandwidth at rank r). Same
+math; opt-in and not yet measured on a GPU.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import k3.kernels.lora_grouped as lora_grouped
 from k3.kernels.expert_lora import SHARED_INPUT, SLOT_MULTIPLE, lora_down, lora_gate_up, slot_width
 from k3.kernels.grouped_mm import grouped_mm
 from k3.lora.linear import xavier_bound
@@ -41,6 +46,8 @@ EXPERT_FACTORS = ("w1_lora_A", "w1_lora_B", "w3_lora_A", "w3_lora_B", "w2_lora_A
 # w1aug = [B1 | w1] and w3aug = [w3 | B3] so that gate's and up's inputs are column slices of one
 # [xa1 | x | xa3] buffer; w2aug = [w2 ; A2].
 _AUGMENTED = {"w1": (2, True), "w3": (2, False), "w2": (1, False)}
+
+LORA_IMPLS = ("torch", "triton")  # how the plain path runs its rank-r grouped GEMMs
 
 
 class LoRALatentExperts(LatentExperts):
@@ -57,10 +64,16 @@ class LoRALatentExperts(LatentExperts):
         fused: fold the adapters into the base GEMMs (``k3/kernels/expert_lora.py``; measured slower on the H200,
             hence off by default); ``False`` keeps the base weights as they are and runs the plain path. Active
             dropout always takes the plain path.
+        lora_impl: how the plain path runs its rank-r grouped GEMMs: ``"torch"`` (the default and the reference:
+            torch's grouped GEMM, then full-width adds) or ``"triton"`` (``k3/kernels/lora_grouped.py``: Triton
+            kernels with the adds in their epilogues; same math, gradients for the input rows and every factor).
+            "triton" is not yet measured on a GPU, so it is opt-in; it needs Triton and a CUDA device (or the CPU
+            under ``TRITON_INTERPRET=1``), else a ValueError names ``"torch"``. It cannot be combined with
+            ``fused``; active dropout takes the torch path.
     """
 
     def __init__(self, base: LatentExperts, rank: int, alpha: float, dropout: float = 0.0,
-                 fc1: bool = True, fc2: bool = True, fused: bool = False) -> None:
+                 fc1: bool = True, fc2: bool = True, fused: bool = False, lora_impl: str = "torch") -> None:
         nn.Module.__init__(self)
         if not isinstance(base, LatentExperts):
             raise TypeError(f"LoRALatentExperts wraps LatentExperts, got {type(base).__name__}")
@@ -68,6 +81,7 @@ class LoRALatentExperts(LatentExperts):
             raise TypeError("these experts already carry LoRA adapters (apply_lora was called twice?)")
         if not (fc1 or fc2):
             raise ValueError("LoRALatentExperts needs fc1 and/or fc2")
+        _check_lora_impl(lora_impl, fused)
         # Adopt the base module's whole state (parameters, attributes, hooks); the dicts are copied so the
         # adapters registered below do not appear on ``base``.
         for key, value in base.__dict__.items():
@@ -95,7 +109,7 @@ class LoRALatentExperts(LatentExperts):
         if fc2:
             self.w2_lora_A = factor(E, rank, Fi, fan_in=Fi)
             self.w2_lora_B = factor(Lt, rank)
-        self.fused = fused
+        self.fused, self.lora_impl = fused, lora_impl
         # The fused path's layout (k3/kernels/expert_lora.py): augmented K/N rounded up to this multiple, and
         # gate/up reading slices of one input buffer. Changing either rebuilds the storage at the next forward.
         self.slot_multiple, self.shared_input = SLOT_MULTIPLE, SHARED_INPUT
@@ -132,6 +146,16 @@ class LoRALatentExperts(LatentExperts):
     def _use_fused(self) -> bool:
         return self.fused and not self.merged and not (self.dropout > 0 and self.training)
 
+    def _use_triton(self, rows: torch.Tensor) -> bool:
+        """Whether the plain path runs on the Triton kernels; a ValueError where they were asked for but cannot run."""
+        if self.lora_impl == "torch" or (self.dropout > 0 and self.training):  # dropout: the torch path applies it
+            return False
+        _check_lora_impl(self.lora_impl, self.fused)
+        if not lora_grouped.triton_runs_on(rows.device):
+            raise ValueError(f"lora_impl='triton': the Triton kernels cannot run on {rows.device} here (they need a "
+                             "CUDA device, or the CPU under TRITON_INTERPRET=1); use lora_impl='torch'")
+        return True
+
     def factor_names(self) -> tuple[str, ...]:
         """The adapter factors this module holds, in chunk order."""
         have = set()
@@ -149,6 +173,9 @@ class LoRALatentExperts(LatentExperts):
         if not self.fc1 or self.merged:
             return super().gate_up(x, counts)
         shared_A = torch.cat([self.w1_lora_A, self.w3_lora_A])  # [2r, Lt]: one GEMM for both projections
+        if self._use_triton(x):  # first: it raises if fused was set too
+            return lora_grouped.lora_gate_up(x, shared_A, self.w1_lora_B, self.w3_lora_B, self.w1, self.w3, counts,
+                                             self.scale)
         if self._use_fused():
             return lora_gate_up(x, shared_A, self.w1_lora_B, self.w3_lora_B, self._augmented("w1"),
                                 self._augmented("w3"), counts, self.scale, self.shared_input)
@@ -164,6 +191,8 @@ class LoRALatentExperts(LatentExperts):
         """``h [rows, F]`` sorted by expert -> ``[rows, Lt]``."""
         if not self.fc2 or self.merged:
             return super().down(h, counts)
+        if self._use_triton(h):
+            return lora_grouped.lora_down(h, self.w2_lora_A, self.w2_lora_B, self.w2, counts, self.scale)
         if self._use_fused():
             return lora_down(h, self.w2_lora_A, self.w2_lora_B, self._augmented("w2"), counts, self.scale)
         out = super().down(h, counts)
@@ -191,4 +220,16 @@ class LoRALatentExperts(LatentExperts):
     def extra_repr(self) -> str:
         E, Fi, Lt = self.w1.shape
         return (f"experts={E}, latent={Lt}, intermediate={Fi}, rank={self.rank}, alpha={self.alpha:g}, "
-                f"dropout={self.dropout:g}, fc1={self.fc1}, fc2={self.fc2}, fused={self.fused}, merged={self.merged}")
+                f"dropout={self.dropout:g}, fc1={self.fc1}, fc2={self.fc2}, fused={self.fused}, "
+                f"lora_impl={self.lora_impl}, merged={self.merged}")
+
+
+def _check_lora_impl(lora_impl: str, fused: bool) -> None:
+    if lora_impl not in LORA_IMPLS:
+        raise ValueError(f"lora_impl={lora_impl!r}: expected one of {LORA_IMPLS}")
+    if lora_impl == "triton":
+        if fused:
+            raise ValueError("lora_impl='triton' runs the plain path; it cannot be combined with fused=True "
+                             "(use fused=False, or lora_impl='torch' with fused=True)")
+        if not lora_grouped.triton_available():
+            raise ValueError("lora_impl='triton' needs Triton, which is not importable here; use lora_impl='torch'")

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import k3.kernels.expert_lora as expert_lora_mod
+import k3.kernels.lora_grouped as lora_grouped_mod
 import k3.lora.experts as lora_experts_mod
 import k3.model.moe as moe_mod
 from k3.kernels.grouped_mm import grouped_mm
@@ -70,12 +71,13 @@ def test_expert_counts_are_seeded_and_sum_to_the_rows():
 def test_forced_impl_patches_every_module_and_restores_them():
     def current():
         return (moe_mod.grouped_mm, lora_experts_mod.grouped_mm, expert_lora_mod.grouped_mm,
-                expert_lora_mod.grouped_weight_grad)
+                expert_lora_mod.grouped_weight_grad, lora_grouped_mod.grouped_mm)
 
     before = current()
     with bench.forced_impl("padded"):
         assert moe_mod.grouped_mm.keywords == {"impl": "padded"}
         assert lora_experts_mod.grouped_mm is moe_mod.grouped_mm is expert_lora_mod.grouped_mm
+        assert lora_grouped_mod.grouped_mm is moe_mod.grouped_mm
         assert expert_lora_mod.grouped_weight_grad.keywords == {"impl": "padded"}
     assert current() == before
     with pytest.raises(RuntimeError), bench.forced_impl("native"):
@@ -97,7 +99,13 @@ def test_native_and_padded_agree_on_the_cpu(impl):
     assert all(rel_err(grads[n], ref_grads[n]) <= REL_FP32 for n in grads)
 
 
-def test_bench_runs_end_to_end_on_the_cpu(tmp_path, capsys):
+@pytest.fixture
+def no_triton_path(monkeypatch):
+    """The bench's module list without the triton path (it appears where Triton runs, e.g. under the interpreter)."""
+    monkeypatch.setattr(bench, "triton_status", lambda device: "off in this test")
+
+
+def test_bench_runs_end_to_end_on_the_cpu(tmp_path, capsys, no_triton_path):
     out = tmp_path / "lora.json"
     result = bench.main(["--device", "cpu", "--dtype", "fp32", "--experts", "4", "--latent", "32", "--width", "48",
                          "--tokens-per-expert", "5", "--rank", "4", "--repeats", "2", "--warmup", "1",
@@ -113,7 +121,39 @@ def test_bench_runs_end_to_end_on_the_cpu(tmp_path, capsys):
     assert [a["pair"] for a in agree] == ["native/plain vs native/fused", "padded/fused vs native/fused",
                                           "padded/plain vs native/fused"]
     assert all(a["rel"] <= REL_FP32 for a in agree)
-    assert "| native | fused |" in capsys.readouterr().out
+    assert result["triton_lora"]["runs"] is False and result["triton_lora"]["why_not"] == "off in this test"
+    printed = capsys.readouterr().out
+    assert "| native | fused |" in printed and "No triton LoRA path: off in this test" in printed
+
+
+def _triton_on_the_cpu() -> str | None:
+    """Why the Triton LoRA kernels cannot run on the CPU here, or None (the smallest call proves it)."""
+    if not lora_grouped_mod.triton_runs_on("cpu"):
+        return "the Triton LoRA kernels run on the CPU only under TRITON_INTERPRET=1 with Triton (not in CI's venv)"
+    try:  # Triton 3.6's interpreter fails on numpy >= 2.4 (triton-lang/triton#9171)
+        lora_grouped_mod.contract(torch.ones(1, 16), torch.ones(1, 2, 16), torch.tensor([1]))
+    except Exception as e:  # noqa: BLE001 - the reason goes into the skip message
+        return f"Triton's interpreter fails here: {type(e).__name__}: {str(e)[:120]}"
+    return None
+
+
+_NO_TRITON = _triton_on_the_cpu()
+needs_triton_here = pytest.mark.skipif(_NO_TRITON is not None, reason=_NO_TRITON or "")
+
+
+@needs_triton_here
+def test_triton_lora_rows_where_triton_runs(capsys):
+    defaults = {k: v["block_m"] for k, v in lora_grouped_mod.DEFAULT_BLOCKS.items()}
+    result = bench.main(["--device", "cpu", "--dtype", "fp32", "--experts", "4", "--latent", "32", "--width", "48",
+                         "--tokens-per-expert", "9", "--rank", "4", "--repeats", "1", "--warmup", "1",
+                         "--impls", "native", "--triton-block-m", "16"])
+    assert [r["lora"] for r in result["results"]] == ["fused", "plain", "triton", "triton bm16"]
+    assert result["triton_lora"]["runs"] and result["triton_lora"]["block_m"] == {"triton": None, "triton bm16": 16}
+    assert [a["pair"] for a in result["lora_output_agreement"]][-2:] == [
+        "native/triton vs native/fused", "native/triton bm16 vs native/fused"]
+    assert all(a["rel"] <= REL_FP32 for a in result["lora_output_agreement"])
+    assert {k: v["block_m"] for k, v in lora_grouped_mod.DEFAULT_BLOCKS.items()} == defaults  # restored
+    assert "| native | triton bm16 |" in capsys.readouterr().out
 
 
 # ------------------------------------------------------------------------------------------------ CUDA
@@ -167,7 +207,7 @@ def test_grouped_mm_shape_sweep_runs_end_to_end_on_the_cpu(tmp_path, capsys):
     assert result["rows"] == 20 and "| gate/up base | 64 | 48 |" in capsys.readouterr().out
 
 
-def test_profile_flag_prints_a_kernel_table_per_module(capsys):
+def test_profile_flag_prints_a_kernel_table_per_module(capsys, no_triton_path):
     result = bench.main(["--device", "cpu", "--dtype", "fp32", "--experts", "4", "--latent", "32", "--width", "48",
                          "--tokens-per-expert", "5", "--rank", "4", "--repeats", "1", "--warmup", "1",
                          "--impls", "native", "--profile"])
@@ -176,7 +216,7 @@ def test_profile_flag_prints_a_kernel_table_per_module(capsys):
     assert capsys.readouterr().err.count("== profile") == 3
 
 
-def test_fused_layout_variants_are_timed_and_agree():
+def test_fused_layout_variants_are_timed_and_agree(no_triton_path):
     result = bench.main(["--device", "cpu", "--dtype", "fp32", "--experts", "4", "--latent", "32", "--width", "48",
                          "--tokens-per-expert", "5", "--rank", "4", "--repeats", "1", "--warmup", "1",
                          "--impls", "native", "--fused-layouts", "8s,16x"])
