@@ -52,10 +52,11 @@ PY
 # Quick files first; each test gets its own limit and pytest-timeout prints every thread's stack when one runs over.
 # k3's default fla pinning (strict: only exact recorded keys). Not fla's full mode: it applied the tiny model's
 # configs at K3 head shapes and six KDA tests failed with Triton OutOfResources (shared memory 237568 > 232448).
+# K3_GPU_SUITE_TEST_FILES="tests/unit/test_gpu_ipc.py ..." runs only those files (default: the list below).
+TEST_FILES=${K3_GPU_SUITE_TEST_FILES:-"tests/unit/test_gpu_mxfp4.py tests/unit/test_gpu_expert_lora.py tests/unit/test_lora_grouped.py tests/unit/test_gpu_ipc.py tests/unit/test_gpu_kda.py"}
+# shellcheck disable=SC2086  # TEST_FILES is a list of paths
 step "gpu tests" 300 "$TESTS_LOG" env TRITON_PRINT_AUTOTUNING=1 python3 -m pytest -m gpu -v -rA --durations=25 --timeout=120 \
-    --junitxml="$OUT/gpu_tests.xml" -p no:cacheprovider \
-    tests/unit/test_gpu_mxfp4.py tests/unit/test_gpu_expert_lora.py tests/unit/test_gpu_ipc.py \
-    tests/unit/test_gpu_kda.py
+    --junitxml="$OUT/gpu_tests.xml" -p no:cacheprovider $TEST_FILES
 if [ "${K3_GPU_SUITE_TESTS_ONLY:-0}" = 1 ]; then
     echo "=== gpu_suite: tests only (K3_GPU_SUITE_TESTS_ONLY=1), $failed failed step(s) after ${SECONDS}s" | tee -a "$BENCH_LOG"
     exit "$failed"
