@@ -54,7 +54,7 @@ import torch
 
 from k3.kernels.grouped_mm import grouped_mm, grouped_mm_reference, grouped_weight_grad_reference
 
-__all__ = ["DEFAULT_BLOCKS", "MAX_RANK", "contract", "contract_reference", "expand_add_", "expand_add_reference",
+__all__ = ["DEFAULT_BLOCKS", "MAX_RANK", "contract", "cpu_interpreter_problem", "contract_reference", "expand_add_", "expand_add_reference",
            "lora_down", "lora_gate_up", "tile_schedule", "triton_available", "triton_runs_on", "weight_grad",
            "weight_grad_reference"]
 
@@ -193,6 +193,19 @@ def triton_runs_on(device: torch.device | str) -> bool:
     if device.type == "cuda":
         return not _INTERPRETING  # the interpreter runs kernels on host memory only
     return device.type == "cpu" and _INTERPRETING
+
+
+def cpu_interpreter_problem() -> str | None:
+    """Why the kernels cannot run on the CPU here (for a test's skip reason), or None: it runs the smallest call."""
+    if triton is None:
+        return "Triton is not importable (CI's venv has none); run under TRITON_INTERPRET=1 in a venv with Triton"
+    if not _INTERPRETING:
+        return "TRITON_INTERPRET=1 is not set: the kernels run on the CPU only under Triton's interpreter"
+    try:  # Triton 3.6's interpreter breaks on numpy >= 2.4 (triton-lang/triton#9171)
+        contract(torch.ones(1, 16), torch.ones(1, 2, 16), torch.tensor([1]))
+    except Exception as e:  # noqa: BLE001 - the reason is the answer
+        return f"Triton's interpreter fails here ({type(e).__name__}: {str(e)[:120]}; numpy < 2.4 needed for 3.6)"
+    return None
 
 
 # ------------------------------------------------------------------------------------------------ checks

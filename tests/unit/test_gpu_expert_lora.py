@@ -126,18 +126,7 @@ def test_bench_runs_end_to_end_on_the_cpu(tmp_path, capsys, no_triton_path):
     assert "| native | fused |" in printed and "No triton LoRA path: off in this test" in printed
 
 
-def _triton_on_the_cpu() -> str | None:
-    """Why the Triton LoRA kernels cannot run on the CPU here, or None (the smallest call proves it)."""
-    if not lora_grouped_mod.triton_runs_on("cpu"):
-        return "the Triton LoRA kernels run on the CPU only under TRITON_INTERPRET=1 with Triton (not in CI's venv)"
-    try:  # Triton 3.6's interpreter fails on numpy >= 2.4 (triton-lang/triton#9171)
-        lora_grouped_mod.contract(torch.ones(1, 16), torch.ones(1, 2, 16), torch.tensor([1]))
-    except Exception as e:  # noqa: BLE001 - the reason goes into the skip message
-        return f"Triton's interpreter fails here: {type(e).__name__}: {str(e)[:120]}"
-    return None
-
-
-_NO_TRITON = _triton_on_the_cpu()
+_NO_TRITON = lora_grouped_mod.cpu_interpreter_problem()
 needs_triton_here = pytest.mark.skipif(_NO_TRITON is not None, reason=_NO_TRITON or "")
 
 

@@ -83,36 +83,14 @@ def test_bench_runs_end_to_end_on_the_cpu(tmp_path, capsys):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("buffered", [False, True])
-def test_cuda_chunk_arrives_bit_exact(buffered):
+@pytest.mark.parametrize("stage_queued", [False, True])
+def test_cuda_chunk_arrives_bit_exact(buffered, stage_queued):
+    """Three versions, each bit-exact at the receiver. The producer does not host-sync after staging: the
+    receiver's stream waits for the copy (torch's IPC event for a fresh bucket, the transfer buffer's own event
+    otherwise). With ``stage_queued`` a ~50 ms device sleep is queued ahead of each stage copy, so a receiver that
+    did not wait would read the bucket before the copy and fail the digest."""
     shapes = bench.expert_chunk_shapes(112, 3072, 3584, 32)  # one EP8 rank's experts: 63 MiB
     gen = torch.Generator(device="cuda").manual_seed(3)
-    tensors = [torch.randn(s, generator=gen, device="cuda").bfloat16() for _, s in shapes]
-    named = list(zip([n for n, _ in shapes], tensors))
-    proc, conn = spawn_receiver(_digesting_receiver)
-    try:
-        producer = AdapterProducer(conn, transfer_buffer=TransferBuffer("cuda") if buffered else None,
-                                   ack_timeout_s=120)
-        for v in (1, 2):
-            with torch.no_grad():
-                tensors[1].add_(1.0)  # every version differs
-            ack = producer.send_version([AdapterChunk(named, v, True, True)])
-            assert ack.ok and ack.active_version == v and ack.digest == digest_tensors(named)
-        producer.close()
-        proc.join(timeout=60)
-        assert proc.exitcode == 0
-    finally:
-        if proc.is_alive():
-            proc.kill()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("buffered", [False, True])
-def test_cuda_receiver_waits_for_a_stage_copy_still_queued_on_the_device(buffered):
-    """The producer does not host-sync after staging: the receiver's stream must wait for the copy (torch's IPC
-    event for a fresh bucket, the transfer buffer's own event otherwise). A 50 ms device sleep queued before each
-    stage makes a receiver that did not wait read the previous version's bytes, which the digest would show."""
-    shapes = bench.expert_chunk_shapes(112, 3072, 3584, 32)
-    gen = torch.Generator(device="cuda").manual_seed(4)
     tensors = [torch.randn(s, generator=gen, device="cuda").bfloat16() for _, s in shapes]
     named = list(zip([n for n, _ in shapes], tensors))
     proc, conn = spawn_receiver(_digesting_receiver)
@@ -122,9 +100,10 @@ def test_cuda_receiver_waits_for_a_stage_copy_still_queued_on_the_device(buffere
         for v in (1, 2, 3):
             with torch.no_grad():
                 for t in tensors:
-                    t.add_(1.0)
-            want = digest_tensors(named)
-            torch.cuda._sleep(100_000_000)  # ~50 ms of device time ahead of the stage copy on this stream
+                    t.add_(1.0)  # every version differs in every tensor
+            want = digest_tensors(named)  # synchronizes: the adds are done
+            if stage_queued:
+                torch.cuda._sleep(100_000_000)
             ack = producer.send_version([AdapterChunk(named, v, True, True)])
             assert ack.ok and ack.active_version == v and ack.digest == want
         producer.close()

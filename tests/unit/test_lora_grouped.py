@@ -35,20 +35,7 @@ REL_BF16_MODULE = 2e-2
 COUNTS = [0, 1, 37, 16, 5, 0, 2]  # experts with 0 and 1 rows, several 16-row tiles, 61 rows (not a tile multiple)
 
 
-def _interpreter_problem() -> str | None:
-    """Why the kernels cannot run on the CPU here, or None."""
-    if not lg.triton_available():
-        return "Triton is not importable (CI's venv has none); run under TRITON_INTERPRET=1 in a venv with Triton"
-    if not lg._INTERPRETING:
-        return "TRITON_INTERPRET=1 is not set: the kernels run on the CPU only under Triton's interpreter"
-    try:  # the smallest call: Triton 3.6's interpreter breaks on numpy >= 2.4 (triton-lang/triton#9171)
-        lg.contract(torch.ones(1, 16), torch.ones(1, 2, 16), torch.tensor([1]))
-    except Exception as e:  # noqa: BLE001 - the reason goes into the skip message
-        return f"Triton's interpreter fails here ({type(e).__name__}: {str(e)[:120]}; numpy < 2.4 needed for 3.6)"
-    return None
-
-
-_PROBLEM = _interpreter_problem()
+_PROBLEM = lg.cpu_interpreter_problem()
 needs_interpreter = pytest.mark.skipif(_PROBLEM is not None, reason=_PROBLEM or "")
 needs_cuda_triton = pytest.mark.skipif(not (HAS_CUDA and lg.triton_available() and not lg._INTERPRETING),
                                        reason="needs a CUDA device and Triton (compiled, TRITON_INTERPRET unset)")
