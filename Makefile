@@ -7,11 +7,12 @@ PYTEST    := $(BIN)/python -m pytest
 export OMP_NUM_THREADS ?= 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install test test-gpu smoke smoke-4layer acceptance-full bench clean help
+.PHONY: install test test-interpret test-gpu smoke smoke-4layer acceptance-full bench clean help
 
 help:
 	@echo "make smoke            tiny K3 end to end on CPU: synth MXFP4 ckpt -> BF16 -> LoRA GRPO -> harness verdict"
 	@echo "make test             unit + parity tests (CPU); GPU/cluster tests skip without hardware"
+	@echo "make test-interpret   the Triton kernels' tests on the CPU under Triton's interpreter (own venv)"
 	@echo "make smoke-4layer     one 8-GPU node: 4layer K3 recipe, judged by the harness"
 	@echo "make acceptance-full  16x4 GPUs on an existing Ray cluster (RAY_ADDRESS): launch, watch, check, report"
 
@@ -26,6 +27,22 @@ install: $(STAMP)
 
 test: install
 	$(PYTEST) -n auto -q tests/unit tests/parity
+
+# The Triton kernels' tests on the CPU under Triton's interpreter, in a venv of their own: .venv stays Triton-free
+# (a Triton there switches libraries onto GPU kernels). numpy < 2.4: Triton 3.6's interpreter fails on 2.4
+# (triton-lang/triton#9171). The tests import k3 from the source tree; nothing else of the project is installed.
+TVENV     := .venv-triton
+TRITON_TESTS := tests/unit/test_lora_grouped.py tests/unit/test_gpu_expert_lora.py tests/unit/test_gpu_mxfp4.py
+
+$(TVENV)/.installed: ci/constraints.txt
+	test -x $(TVENV)/bin/python || $(PY) -m venv $(TVENV)
+	$(TVENV)/bin/pip install -q -c ci/constraints.txt torch==2.13.0
+	$(TVENV)/bin/pip install -q -c ci/constraints.txt triton==3.6.0 'numpy>=1.26,<2.4' 'pytest>=8,<10' \
+		'pytest-timeout>=2.3,<3' 'typer>=0.12,<1' 'rich>=13,<16' 'tqdm>=4.66,<5' 'safetensors>=0.4,<0.9'
+	touch $@
+
+test-interpret: $(TVENV)/.installed
+	TRITON_INTERPRET=1 PYTHONPATH=$(CURDIR) $(TVENV)/bin/python -m pytest -q $(TRITON_TESTS)
 
 test-gpu: install
 	$(PYTEST) -q -m gpu tests/unit tests/parity
