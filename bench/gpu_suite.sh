@@ -66,7 +66,7 @@ fi
 BENCHES=" ${K3_GPU_SUITE_BENCHES:-kda mxfp4 expert_lora ipc} "
 [[ $BENCHES == *" kda "* ]] && step "bench kda" 150 "$BENCH_LOG" env TRITON_PRINT_AUTOTUNING=1 python3 bench/gpu_kda.py --out "$OUT/gpu_kda.json"
 [[ $BENCHES == *" mxfp4 "* ]] && step "bench mxfp4" 25 "$BENCH_LOG" python3 bench/gpu_mxfp4.py --out "$OUT/gpu_mxfp4.json"
-[[ $BENCHES == *" expert_lora "* ]] && step "bench expert lora" 25 "$BENCH_LOG" python3 bench/gpu_expert_lora.py --out "$OUT/gpu_expert_lora.json"
+[[ $BENCHES == *" expert_lora "* ]] && step "bench expert lora" 60 "$BENCH_LOG" python3 bench/gpu_expert_lora.py --out "$OUT/gpu_expert_lora.json"
 [[ $BENCHES == *" ipc "* ]] && step "bench ipc" 50 "$BENCH_LOG" python3 bench/gpu_ipc.py --out "$OUT/gpu_ipc.json"
 
 echo "=== gpu_suite: $failed failed step(s) after ${SECONDS}s" | tee -a "$BENCH_LOG"
