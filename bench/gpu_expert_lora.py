@@ -210,24 +210,35 @@ def run(args: argparse.Namespace) -> dict:
     flops_fwd = 2 * rows * Lt * Fi * 3  # three GEMMs of the base
     results = []
     outputs = {}
+    failed_paths: set[str] = set()
     for impl in args.impls:
         if impl == "native" and not native_grouped_mm_supported(x.detach(), base.w1):
             results.append({"impl": impl, "skipped": f"native grouped GEMM unsupported here ({native}, {dtype})"})
             continue
         try:
             with forced_impl(impl):
+                paths = dict(loras)
+                for name in [n for n in paths if n in block_m_of]:
+                    try:  # a Triton path compiles here; one that fails must not cost the other paths' numbers
+                        fwd_bwd(paths[name], block_m_of[name])()
+                    except Exception as e:  # noqa: BLE001 - recorded as that path's row
+                        del paths[name]
+                        failed_paths.add(name)
+                        results.append({"impl": impl, "lora": name,
+                                        "skipped": f"{name} failed: {type(e).__name__}: {str(e)[:200]}"})
+                        print(f"  {impl}/{name}: failed: {e!r}", file=sys.stderr, flush=True)
                 fns = {"base_fwd": fwd(base), "base_fwd_bwd": fwd_bwd(base)}
-                for name, m in loras.items():
+                for name, m in paths.items():
                     bm = block_m_of.get(name)
                     fns[f"{name}_fwd"], fns[f"{name}_fwd_bwd"] = fwd(m, bm), fwd_bwd(m, bm)
                 t = time_side_by_side(fns, args.repeats, args.warmup, device)
-                for name, m in loras.items():
+                for name, m in paths.items():
                     outputs[f"{impl}/{name}"] = fwd(m, block_m_of.get(name))().float()
         except Exception as e:  # noqa: BLE001 - one implementation failing must not lose the others' numbers
             results.append({"impl": impl, "skipped": f"failed: {type(e).__name__}: {str(e)[:200]}"})
             print(f"  {impl}: failed: {e!r}", file=sys.stderr, flush=True)
             continue
-        for name in loras:
+        for name in paths:
             over_fb = t[f"{name}_fwd_bwd"] / t["base_fwd_bwd"] - 1
             results.append({
                 "impl": impl, "lora": name, "base_fwd_ms": t["base_fwd"], "lora_fwd_ms": t[f"{name}_fwd"],
@@ -241,6 +252,8 @@ def run(args: argparse.Namespace) -> dict:
     if args.profile:
         with forced_impl(args.impls[0]):
             for name, m in {"base": base, **loras}.items():
+                if name in failed_paths:
+                    continue
                 profiles[name] = kernel_table(fwd_bwd(m, block_m_of.get(name)), device)
                 print(f"== profile {name} fwd+bwd ({args.impls[0]})\n{profiles[name]}", file=sys.stderr, flush=True)
     agreement = []
@@ -278,7 +291,7 @@ def markdown(result: dict) -> str:
              "|---|---|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in result["results"]:
         if "skipped" in r:
-            lines.append(f"| {r['impl']} | | {r['skipped']} | | | | | | | |")
+            lines.append(f"| {r['impl']} | {r.get('lora', '')} | {r['skipped']} | | | | | | | |")
             continue
         lines.append(f"| {r['impl']} | {r['lora']} | {r['base_fwd_ms']:.3f} | {r['lora_fwd_ms']:.3f} | "
                      f"{100 * r['overhead_fwd']:.1f}% | {r['base_fwd_bwd_ms']:.3f} | {r['lora_fwd_bwd_ms']:.3f} | "

@@ -126,6 +126,27 @@ def test_bench_runs_end_to_end_on_the_cpu(tmp_path, capsys, no_triton_path):
     assert "| native | fused |" in printed and "No triton LoRA path: off in this test" in printed
 
 
+def test_a_failing_triton_path_costs_only_its_own_rows(monkeypatch, capsys):
+    """On a lease the Triton path compiles for the first time inside the bench: if it fails, the base, fused and
+    plain numbers of the same run must survive. Forced here by a Triton path whose kernels raise."""
+    monkeypatch.setattr(bench, "triton_status", lambda device: None)  # take the triton path on board anyway
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("planted kernel failure")
+
+    monkeypatch.setattr(lora_grouped_mod, "lora_gate_up", broken)
+    monkeypatch.setattr(lora_experts_mod.LoRALatentExperts, "_use_triton", lambda self, rows: self.lora_impl == "triton")
+    result = bench.main(["--device", "cpu", "--dtype", "fp32", "--experts", "4", "--latent", "32", "--width", "48",
+                         "--tokens-per-expert", "5", "--rank", "4", "--repeats", "1", "--warmup", "1",
+                         "--impls", "native,padded", "--profile"])
+    rows = [(r["impl"], r["lora"], "skipped" in r) for r in result["results"]]
+    assert rows == [("native", "triton", True), ("native", "fused", False), ("native", "plain", False),
+                    ("padded", "triton", True), ("padded", "fused", False), ("padded", "plain", False)]
+    assert "planted kernel failure" in result["results"][0]["skipped"]
+    assert set(result["profiles"]) == {"base", "fused", "plain"}
+    assert "| native | triton | triton failed: RuntimeError: planted kernel failure" in capsys.readouterr().out
+
+
 _NO_TRITON = lora_grouped_mod.cpu_interpreter_problem()
 needs_triton_here = pytest.mark.skipif(_NO_TRITON is not None, reason=_NO_TRITON or "")
 
