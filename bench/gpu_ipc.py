@@ -239,7 +239,13 @@ def run(args: argparse.Namespace) -> dict:
     copy_gbs = 2 * nbytes / t_copy / 1e9  # read + write
     rows = []
     for buffered in (False, True):
-        r = run_mode(shapes, tensors, device, args.syncs, buffered)
+        try:  # one mode failing on a lease must not cost the other mode's numbers
+            r = run_mode(shapes, tensors, device, args.syncs, buffered)
+        except Exception as e:  # noqa: BLE001 - recorded as that mode's row
+            mode = "persistent transfer buffer" if buffered else "fresh bucket per chunk"
+            rows.append({"mode": mode, "failed": f"{type(e).__name__}: {str(e)[:300]}"})
+            print(f"  {mode}: failed: {e!r}", file=sys.stderr, flush=True)
+            continue
         t_sync = r["sync_ms_median"] * 1e-3
         handoff_gbs = 4 * nbytes / t_sync / 1e9  # two copies, each read + write
         r.update({"chunk_gb_per_s": nbytes / t_sync / 1e9, "handoff_gb_per_s": handoff_gbs,
@@ -271,6 +277,9 @@ def markdown(result: dict) -> str:
               "vs D2D copy | goal >= 50% | max excess after sync MiB | gate |"),
              "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|"]
     for r in result["rows"]:
+        if "failed" in r:
+            lines.append(f"| {r['mode']} | failed: {r['failed']} | | | | | | | | | |")
+            continue
         gate = "PASS" if r["gate_ok"] else f"FAIL at sync {r['first_bad_sync']}"
         lines.append(f"| {r['mode']} | {r['syncs']} | {r['sync_ms_median']:.2f} | {r['sync_ms_min']:.2f} | "
                      f"{r['sync_ms_max']:.2f} | {r['sync_in_copy_times']:.2f} | {r['handoff_gb_per_s']:.0f} | "
@@ -278,7 +287,7 @@ def markdown(result: dict) -> str:
                      f"{'yes' if r['meets_goal'] else 'NO'} | {r['max_excess_after_sync_mib']:.3f} | {gate} |")
     lines += ["", "Where a sync's time goes (median ms per phase; the receiver's stamps are from its own process): " + "; ".join(
         f"{r['mode']}: " + ", ".join(f"{p} {ms:.3f}" for p, ms in r["phases_ms_median"].items())
-        for r in result["rows"])]
+        for r in result["rows"] if "failed" not in r)]
     leak = result["planted_leak"]
     lines += ["", (f"planted leak (producer keeps every bucket, {leak['syncs']} syncs): "
               f"{'caught at sync 0' if leak['caught'] else 'NOT caught as expected'}; "

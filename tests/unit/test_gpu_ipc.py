@@ -81,6 +81,24 @@ def test_bench_runs_end_to_end_on_the_cpu(tmp_path, capsys):
     assert "planted leak" in capsys.readouterr().out
 
 
+def test_a_failing_mode_costs_only_its_own_row(monkeypatch, capsys):
+    real = bench.run_mode
+
+    def run_mode(shapes, tensors, device, syncs, buffered, leak=False):
+        if buffered:
+            raise RuntimeError("planted IPC event failure")
+        return real(shapes, tensors, device, syncs, buffered, leak)
+
+    monkeypatch.setattr(bench, "run_mode", run_mode)
+    result = bench.main(["--device", "cpu", "--experts", "4", "--width", "48", "--latent", "32", "--rank", "4",
+                         "--syncs", "3", "--copy-repeats", "3"])
+    fresh, buffered = result["rows"]
+    assert fresh["mode"] == "fresh bucket per chunk" and fresh["gate_ok"] and fresh["syncs"] == 3
+    assert buffered == {"mode": "persistent transfer buffer", "failed": "RuntimeError: planted IPC event failure"}
+    assert result["planted_leak"]["caught"]
+    assert "| persistent transfer buffer | failed: RuntimeError: planted IPC event failure |" in capsys.readouterr().out
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("buffered", [False, True])
 @pytest.mark.parametrize("stage_queued", [False, True])
