@@ -226,8 +226,9 @@ class TransferBuffer:
 class BufferSlice:
     """A chunk that sits in the first ``numel`` elements of the producer's ``TransferBuffer`` generation
     ``generation``. ``buffer`` (the whole buffer: a tensor that pickles as an IPC handle or a ``/dev/shm`` name,
-    or a ``LocalBucket``) and ``event`` (``torch.cuda.Event.ipc_handle()`` bytes) travel only with the first chunk
-    of a generation; the receiver keeps both until the next generation or the close."""
+    or a ``LocalBucket``) travels only with the first chunk of a generation, and the receiver keeps it until the
+    next generation or the close; ``event`` (``torch.cuda.Event.ipc_handle()`` bytes, CUDA only) travels once per
+    producer, since the buffer's event outlives its growth, and the receiver keeps it until the close."""
 
     generation: int
     numel: int
@@ -271,6 +272,7 @@ class AdapterProducer:
         # Buckets sent but not acked, by (version, index): the receiver may still be reading them.
         self.unacked: dict[tuple[int, int], torch.Tensor] = {}
         self._shared_generation = 0  # the transfer buffer generation the receiver has mapped (0: none)
+        self._shared_event = False  # whether the receiver has the transfer buffer's interprocess event
         self._closed = False
         use_file_system_sharing()
 
@@ -354,7 +356,10 @@ class AdapterProducer:
         self._shared_generation = tb.generation
         if self.same_process:
             return BufferSlice(tb.generation, numel, buffer=self._local_token(tb.buffer))
-        event = tb.event.ipc_handle() if tb.event is not None else None
+        # The event outlives a grown buffer: its handle goes once, and the receiver keeps what it opened.
+        event = None
+        if tb.event is not None and not self._shared_event:
+            event, self._shared_event = tb.event.ipc_handle(), True
         return BufferSlice(tb.generation, numel, buffer=tb.buffer, event=event)
 
     def _wait_ack(self, key: tuple[int, int]) -> Ack:
@@ -604,12 +609,13 @@ class _Reject(Exception):
 class _MappedBuffer:
     """The receiver's side of one ``TransferBuffer`` generation: the mapped buffer and its interprocess event."""
 
-    def __init__(self, first: BufferSlice) -> None:
+    def __init__(self, first: BufferSlice, event: "torch.cuda.Event | None" = None) -> None:
         buffer = first.buffer
         self.buffer = _LOCAL_BUCKETS.pop(buffer.key) if isinstance(buffer, LocalBucket) else buffer
         self.generation = first.generation
+        # ``event``: the one opened with an earlier generation, which still orders this one's copies
         self.event = (torch.cuda.Event.from_ipc_handle(self.buffer.device, first.event)
-                      if first.event is not None else None)
+                      if first.event is not None else event)
 
     def chunk(self, s: BufferSlice) -> torch.Tensor:
         """The chunk ``s`` names, as a view of the buffer, ordered after the producer's copy into it."""
@@ -642,8 +648,10 @@ def serve(conn: Connection, receiver: AdapterReceiver) -> None:
         del msg
         if isinstance(payload, BufferSlice):
             if payload.buffer is not None:
-                mapped = None  # drop the old generation first: its memory can go on the producer's side
-                mapped = _MappedBuffer(payload)
+                event = mapped.event if mapped is not None else None
+                mapped = None  # drop the old generation's mapping first: its memory can go on the producer's side
+                mapped = _MappedBuffer(payload, event)
+                del event
             try:
                 if mapped is None:
                     raise _Reject(f"the chunk sits in transfer buffer generation {payload.generation}, which was "

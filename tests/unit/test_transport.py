@@ -18,7 +18,7 @@ from k3.config import variant
 from k3.lora import LoRAConfig, apply_lora
 from k3.lora.export import AdapterChunk, export_chunks
 from k3.model import KimiK3ForCausalLM
-from k3.transport.handoff import (AdapterProducer, AdapterReceiver, ChunkHeader, HandoffError, HandoffRejected,
+from k3.transport.handoff import (Ack, AdapterProducer, AdapterReceiver, ChunkHeader, HandoffError, HandoffRejected,
                                   HandoffTimeout, TransferBuffer, digest_tensors, flatten_into, spawn_receiver,
                                   unflatten)
 
@@ -504,3 +504,55 @@ def test_a_slice_of_a_generation_the_receiver_never_mapped_is_refused_and_the_st
     producer.close()
     thread.join(timeout=10)
     listener.close()
+
+
+class _AckingConn:
+    """A producer-side stand-in for a receiver: records each payload and acks it at once."""
+
+    def __init__(self):
+        self.payloads = []
+        self._acks = []
+
+    def send(self, obj):
+        if isinstance(obj, tuple):
+            header, payload = obj
+            self.payloads.append(payload)
+            self._acks.append(Ack(header.version, header.index, ok=True, active_version=header.version))
+
+    def poll(self, timeout=None):
+        return bool(self._acks)
+
+    def recv(self):
+        return self._acks.pop(0)
+
+
+def test_the_interprocess_event_handle_travels_once_and_each_buffer_once_per_generation(monkeypatch):
+    """On CUDA the transfer buffer records one interprocess event behind every staged copy. Its handle goes to the
+    receiver once (the receiver keeps the event across a grown buffer); each generation's buffer goes once. The
+    event is faked here (CPU): the protocol, not CUDA, is under test."""
+    from k3.transport.handoff import BufferSlice
+
+    class FakeEvent:
+        def ipc_handle(self):
+            return b"event-handle"
+
+    real_stage = TransferBuffer.stage
+
+    def stage(self, tensors):
+        prefix = real_stage(self, tensors)
+        self._event = self._event or FakeEvent()
+        return prefix
+
+    monkeypatch.setattr(TransferBuffer, "stage", stage)
+    conn = _AckingConn()
+    buffer = TransferBuffer("cpu", torch.bfloat16, initial_numel=1)
+    producer = AdapterProducer(conn, transfer_buffer=buffer, ack_timeout_s=5)
+    m = _tiny_lora()
+    for v in (1, 2):
+        assert producer.send_version(export_chunks(m, v)).ok
+    slices = conn.payloads
+    assert all(isinstance(s, BufferSlice) for s in slices) and buffer.grows >= 2
+    assert [i for i, s in enumerate(slices) if s.event is not None] == [0]
+    assert slices[0].event == b"event-handle"
+    new_generation = [i for i, s in enumerate(slices) if i == 0 or s.generation != slices[i - 1].generation]
+    assert [i for i, s in enumerate(slices) if s.buffer is not None] == new_generation and len(new_generation) >= 3
