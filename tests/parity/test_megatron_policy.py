@@ -354,8 +354,8 @@ def test_layouts_equal_one_rank(policy_results, layout_results, layout):
         # below the 1e-3 of the EP over-counting bug named above
         assert ((got["grads"][name] - g).norm() / g.norm()).item() < 5e-4, name
     # measured on an Intel Xeon: log-probs 1e-5, gradients <= 6e-5, step metrics <= 3e-5 at step 1 and 7e-4 after
-    # (CP2's grad norm), adapters 2e-4; on an AMD EPYC: log-probs 1.7e-5 (TP2), gradients 2.0e-4 (TP2's shared
-    # fc2 A), CP2's grad norm 6.2e-3 at step 2
+    # (CP2's grad norm), adapters 2e-4; on an AMD EPYC: log-probs 1.7e-5 (TP2), gradients 2.2e-4 (TP2's shared
+    # fc2 A), step metrics 6.2e-3 at step 2 (CP2's grad norm), adapters 1.5e-3 (CP2)
     for step, (a, b, tol) in enumerate(zip(got["steps"], one["steps"], (1e-4, 2e-2, 2e-2))):
         for key in ("train/loss", "train/ppo_kl", "train/entropy", "train/grad_norm", "train/pg_clipfrac",
                     "train/num_tokens"):
@@ -363,7 +363,7 @@ def test_layouts_equal_one_rank(policy_results, layout_results, layout):
     for c_got, c_one in zip(got["final"], one["final"]):
         for (name, shape, _, a), (name_one, shape_one, _, b) in zip(c_got[4], c_one[4]):
             assert (name, shape) == (name_one, shape_one)
-            assert ((a - b).norm() / b.norm()).item() < 1e-2, (layout, name)
+            assert ((a - b).norm() / b.norm()).item() < 5e-3, (layout, name)
 
 
 def test_grpo_steps_move_the_policy(policy_results):
