@@ -301,14 +301,14 @@ def test_export_after_a_step_is_the_whole_gather_of_the_same_parameters(results,
 def test_one_step_under_pp_matches_one_stage(results, layout):
     """The step's metrics and the trained adapters against PP1 (DP4 there): float32 sums in another order
     (DP/TP reductions, the pipeline schedule; measured: metrics <= 2e-6, adapters <= 2.3e-5 on an Intel Xeon,
-    adapters 2.6e-4 on an AMD EPYC: Adam's first step is about lr · sign(g), so an entry whose gradient is at the
+    adapters <= 2.6e-4 on an AMD EPYC: Adam's first step is about lr · sign(g), so an entry whose gradient is at the
     rounding noise can flip); a chunk from the wrong stage or layer is off by O(1)."""
     got, one = results["ranks"][0][layout], results["ranks"][0]["pp1"]
     for key in ("train/loss", "train/ppo_kl", "train/entropy", "train/grad_norm", "train/num_tokens"):
         assert abs(got["step"][key] - one["step"][key]) <= 1e-4 * max(1.0, abs(one["step"][key])), key
     for c_got, c_one in zip(got["trained"], one["trained"]):
         for (name, _, _, a), (_, _, _, b) in zip(c_got[5], c_one[5]):
-            assert ((a - b).norm() / b.norm()).item() < 2e-3, (layout, name)
+            assert ((a - b).norm() / b.norm()).item() < 1e-3, (layout, name)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
