@@ -225,7 +225,8 @@ def result(tmp_path_factory) -> dict:
 
     tmp = tmp_path_factory.mktemp("megatron_multirank")
     t0 = time.monotonic()
-    # ~105 s alone on 2 cores; the limit leaves room for the other xdist worker running beside it
+    # ~105 s alone on 2 cores, past 180 s beside the other xdist worker on CI's AMD cores. The fixture runs
+    # inside its first test's pytest-timeout, so the tests keep the project's 600 s and the driver gets 450 s.
     proc = run_workers([__file__, str(tmp)], nproc=1, timeout=450)
     out = torch.load(tmp / "result.pt", weights_only=False)
     out["root"], out["wall"], out["log"] = tmp, time.monotonic() - t0, proc.stdout + proc.stderr
@@ -242,7 +243,6 @@ def _adapter(run: Path, rollout: int) -> dict[str, torch.Tensor]:
     return load_file(str(run / "adapters" / f"rollout_{rollout:06d}" / "adapter_model.safetensors"))
 
 
-@pytest.mark.timeout(180)
 def test_runs_finish(result):
     print({k: round(v, 1) for k, v in result["time"].items()}, f"wall {result['wall']:.1f} s")
     assert (result["one"], result["tp2"], result["pp2"]) == (0, 0, 0), result["log"][-4000:]
@@ -251,7 +251,6 @@ def test_runs_finish(result):
         assert ev[0]["status"] == "started" and ev[-1]["status"] == "finished", name
 
 
-@pytest.mark.timeout(180)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_resolved_layout_is_two_ranks(result, layout):
     cfg = json.loads((result["root"] / layout / "resolved_config.json").read_text())
@@ -261,7 +260,6 @@ def test_resolved_layout_is_two_ranks(result, layout):
         ((5, 4) if pp == 2 else (None, None))
 
 
-@pytest.mark.timeout(180)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_every_sync_advances_the_version_with_memory_records_of_both_ranks(result, layout):
     ev = _events(result["root"] / layout)
@@ -285,7 +283,6 @@ DEFAULT_TOLS = (1e-5, 1e-4)
 EXACT = ("rollout/raw_reward", "rollout/response_len/mean", "rollout/truncated_ratio", "train/num_tokens")
 
 
-@pytest.mark.timeout(180)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_losses_and_samples_equal_the_one_rank_run(result, layout):
     """The same seed, flags and data. Rollout 0 samples on the initial adapters (B = 0: the same BF16 export
@@ -311,7 +308,6 @@ def test_losses_and_samples_equal_the_one_rank_run(result, layout):
     assert train[0]["rollout/train_rollout_logprob_abs_diff"] < 1e-5
 
 
-@pytest.mark.timeout(180)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_saved_adapters_equal_the_one_rank_run(result, layout):
     """PEFT files (BF16, rank 0 writes the adapter gathered over TP/EP/PP) after each rollout: the same names,
@@ -327,7 +323,6 @@ def test_saved_adapters_equal_the_one_rank_run(result, layout):
             assert diff < 1e-2, (layout, rollout, name, float(diff))
 
 
-@pytest.mark.timeout(180)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_checkpoint_holds_every_ranks_optimizer_state(result, layout):
     state = torch.load(result["root"] / layout / "adapters" / "rollout_000001" / "trainer_state.pt",
@@ -338,7 +333,6 @@ def test_checkpoint_holds_every_ranks_optimizer_state(result, layout):
     assert [s["steps"] for s in state["ranks"]] == [2, 2]
 
 
-@pytest.mark.timeout(180)
 def test_group_returns_results_in_rank_order(result):
     g = result["group"]
     assert g["echo"] == [[0, 7], [1, 7]]
@@ -348,7 +342,6 @@ def test_group_returns_results_in_rank_order(result):
     assert g["each_count"] == "call_each: 1 calls for 2 ranks"
 
 
-@pytest.mark.timeout(180)
 @pytest.mark.parametrize("method, message", [
     ("raise", "trainer rank 1 failed in raise: ValueError: (the last line is what the message keeps)"),
     ("die", "trainer rank 1 died during die ("),
@@ -362,7 +355,6 @@ def test_a_failing_rank_ends_the_call_at_once_naming_it(result, method, message)
     assert elapsed < 30, elapsed
 
 
-@pytest.mark.timeout(180)
 def test_resume_gives_every_rank_its_optimizer_state(result):
     assert result["resumed"] == 0
     ev = _events(result["root"] / "tp2-resumed")
@@ -379,7 +371,6 @@ def test_resume_gives_every_rank_its_optimizer_state(result):
     assert [s["steps"] for s in state["ranks"]] == [3, 3]  # each rank continued from its own saved step count
 
 
-@pytest.mark.timeout(180)
 def test_a_rank_that_dies_fails_the_run_at_once_naming_it(result):
     """Rank 1 exits at the start of sync 1 while rank 0 waits for it in the export's collectives: the run stops
     within seconds (gloo's own timeout is 30 min) with the loop's error naming rank 1, and exit code 1."""
@@ -394,7 +385,6 @@ def test_a_rank_that_dies_fails_the_run_at_once_naming_it(result):
     assert [e["adapter/version"] for e in ev if e["event"] == "sync"] == [1]
 
 
-@pytest.mark.timeout(180)
 def test_a_two_rank_checkpoint_does_not_resume_on_one_rank(result, capsys):
     assert result["one_rank_resume"] == 1
     failed = _events(result["root"] / "tp2-one-rank")[-1]
