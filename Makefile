@@ -30,15 +30,18 @@ test: install
 
 # The Triton kernels' tests on the CPU under Triton's interpreter, in a venv of their own: .venv stays Triton-free
 # (a Triton there switches libraries onto GPU kernels). numpy < 2.4: Triton 3.6's interpreter fails on 2.4
-# (triton-lang/triton#9171). The tests import k3 from the source tree; nothing else of the project is installed.
+# (triton-lang/triton#9171). The tests import k3 from the source tree; of the project's dependencies only what they
+# import is installed (megatron-core: the Megatron backend's expert adapters on the kernels).
 TVENV     := .venv-triton
-TRITON_TESTS := tests/unit/test_lora_grouped.py tests/unit/test_gpu_expert_lora.py tests/unit/test_gpu_mxfp4.py
+TRITON_TESTS := tests/unit/test_lora_grouped.py tests/unit/test_megatron_expert_kernel.py \
+	tests/unit/test_gpu_expert_lora.py tests/unit/test_gpu_mxfp4.py
 
-$(TVENV)/.installed: ci/constraints.txt
+$(TVENV)/.installed: ci/constraints.txt Makefile
 	test -x $(TVENV)/bin/python || $(PY) -m venv $(TVENV)
 	$(TVENV)/bin/pip install -q -c ci/constraints.txt torch==2.13.0
 	$(TVENV)/bin/pip install -q -c ci/constraints.txt triton==3.6.0 'numpy>=1.26,<2.4' 'pytest>=8,<10' \
-		'pytest-timeout>=2.3,<3' 'typer>=0.12,<1' 'rich>=13,<16' 'tqdm>=4.66,<5' 'safetensors>=0.4,<0.9'
+		'pytest-timeout>=2.3,<3' 'typer>=0.12,<1' 'rich>=13,<16' 'tqdm>=4.66,<5' 'safetensors>=0.4,<0.9' \
+		megatron-core
 	touch $@
 
 test-interpret: $(TVENV)/.installed

@@ -53,7 +53,7 @@ PY
 # k3's default fla pinning (strict: only exact recorded keys). Not fla's full mode: it applied the tiny model's
 # configs at K3 head shapes and six KDA tests failed with Triton OutOfResources (shared memory 237568 > 232448).
 # K3_GPU_SUITE_TEST_FILES="tests/unit/test_gpu_ipc.py ..." runs only those files (default: the list below).
-TEST_FILES=${K3_GPU_SUITE_TEST_FILES:-"tests/unit/test_gpu_mxfp4.py tests/unit/test_gpu_expert_lora.py tests/unit/test_lora_grouped.py tests/unit/test_gpu_ipc.py tests/unit/test_gpu_kda.py"}
+TEST_FILES=${K3_GPU_SUITE_TEST_FILES:-"tests/unit/test_gpu_mxfp4.py tests/unit/test_gpu_expert_lora.py tests/unit/test_lora_grouped.py tests/unit/test_megatron_expert_kernel.py tests/unit/test_gpu_ipc.py tests/unit/test_gpu_kda.py"}
 # shellcheck disable=SC2086  # TEST_FILES is a list of paths
 step "gpu tests" 300 "$TESTS_LOG" env TRITON_PRINT_AUTOTUNING=1 python3 -m pytest -m gpu -v -rA --durations=25 --timeout=120 \
     --junitxml="$OUT/gpu_tests.xml" -p no:cacheprovider $TEST_FILES

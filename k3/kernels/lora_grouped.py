@@ -54,8 +54,8 @@ import torch
 
 from k3.kernels.grouped_mm import grouped_mm, grouped_mm_reference, grouped_weight_grad_reference
 
-__all__ = ["DEFAULT_BLOCKS", "MAX_RANK", "contract", "cpu_interpreter_problem", "contract_reference", "expand_add_", "expand_add_reference",
-           "lora_down", "lora_gate_up", "tile_schedule", "triton_available", "triton_runs_on", "weight_grad",
+__all__ = ["DEFAULT_BLOCKS", "KERNEL_CHOICES", "MAX_RANK", "check_kernel_choice", "contract", "kernels_run", "cpu_interpreter_problem", "contract_reference", "expand_add_", "expand_add_reference",
+           "lora_down", "lora_fc1", "lora_gate_up", "tile_schedule", "triton_available", "triton_runs_on", "weight_grad",
            "weight_grad_reference"]
 
 # Tile sizes per kernel (powers of two; the rank-r dimension is never tiled). First guesses, not measured yet.
@@ -206,6 +206,33 @@ def cpu_interpreter_problem() -> str | None:
     except Exception as e:  # noqa: BLE001 - the reason is the answer
         return f"Triton's interpreter fails here ({type(e).__name__}: {str(e)[:120]}; numpy < 2.4 needed for 3.6)"
     return None
+
+
+KERNEL_CHOICES = ("torch", "triton")  # how an expert adapter runs its rank-r grouped GEMMs
+
+
+def check_kernel_choice(kernel: str, flag: str = "lora_impl") -> None:
+    """A ValueError naming ``flag`` unless ``kernel`` is one of ``KERNEL_CHOICES`` and, for ``triton``, Triton
+    imports here (whether it can run on a given device is ``kernels_run``'s question)."""
+    if kernel not in KERNEL_CHOICES:
+        raise ValueError(f"{flag}={kernel!r}: expected one of {KERNEL_CHOICES}")
+    if kernel == "triton" and not triton_available():
+        raise ValueError(f"{flag}='triton' needs Triton, which is not importable here; use {flag}='torch'")
+
+
+def kernels_run(kernel: str, device: torch.device | str, dropout_active: bool, flag: str = "lora_impl") -> bool:
+    """Whether an expert adapter set to ``kernel`` runs its rank-r parts on these kernels now.
+
+    False for ``torch``, and while dropout is active (the torch path applies the mask); True for ``triton`` where
+    the kernels run on ``device``; a ValueError naming ``flag`` where ``triton`` was asked for and they cannot.
+    """
+    if kernel == "torch" or dropout_active:
+        return False
+    check_kernel_choice(kernel, flag)
+    if not triton_runs_on(device):
+        raise ValueError(f"{flag}='triton': the Triton kernels cannot run on {torch.device(device)} here (they need "
+                         f"a CUDA device, or the CPU under TRITON_INTERPRET=1); use {flag}='torch'")
+    return True
 
 
 # ------------------------------------------------------------------------------------------------ checks
@@ -478,33 +505,48 @@ class _Schedules:
 
 
 class _GateUpLoRA(torch.autograd.Function):
+    """Gate and up with shared-A LoRA. ``w3`` None: ``w1`` is megatron's fc1 weight ``[E, 2F, Lt]`` (gate rows,
+    then up rows) and the output one ``[rows, 2F]`` tensor whose halves the kernels update as column views; else
+    ``w1``/``w3`` are ``[E, F, Lt]`` each and the output ``(gate, up)``."""
+
     @staticmethod
     def forward(ctx, x, A, B1, B3, w1, w3, counts, scale):
-        r = B1.shape[2]
+        r, F_ = B1.shape[2], B1.shape[1]
         xa = (x @ A.T).mul_(scale)  # [rows, 2r]: the scale on the narrow product
         sched = _Schedules(counts, x.shape[0])
-        gate = grouped_mm(x, w1, counts)
-        up = grouped_mm(x, w3, counts)
+        if w3 is None:
+            out = grouped_mm(x, w1, counts)  # [rows, 2F]: one base GEMM for both halves
+            gate, up = out[:, :F_], out[:, F_:]
+        else:
+            gate, up = grouped_mm(x, w1, counts), grouped_mm(x, w3, counts)
         expand_add_(gate, xa[:, :r], B1, counts, schedule=sched.get("expand"))
         expand_add_(up, xa[:, r:], B3, counts, schedule=sched.get("expand"))
         ctx.save_for_backward(x, xa, A, B1, B3, w1, w3, counts)
         ctx.scale, ctx.sched = scale, sched
-        return gate, up
+        return out if w3 is None else (gate, up)
 
     @staticmethod
-    def backward(ctx, dgate, dup):
+    def backward(ctx, *grads):
         x, xa, A, B1, B3, w1, w3, counts = ctx.saved_tensors
         need_x, need_A, need_B1, need_B3 = ctx.needs_input_grad[:4]
-        r, s, sched = B1.shape[2], ctx.scale, ctx.sched
-        dgate, dup = dgate.contiguous(), dup.contiguous()  # torch's grouped GEMM rejects stride-0 gradients
+        r, F_, s, sched = B1.shape[2], B1.shape[1], ctx.scale, ctx.sched
+        # contiguous: torch's grouped GEMM rejects stride-0 gradients (an expanded ones_like, say)
+        if w3 is None:
+            dout = grads[0].contiguous()
+            dgate, dup = dout[:, :F_], dout[:, F_:]
+        else:
+            dgate, dup = grads[0].contiguous(), grads[1].contiguous()
         dx = dA = dB1 = dB3 = None
         if need_x or need_A:
             dxa = xa.new_empty(xa.shape)  # d(x Aᵀ) = s · [dgate B1_e | dup B3_e], [rows, 2r]
             contract(dgate, B1.transpose(1, 2), counts, s, out=dxa[:, :r], schedule=sched.get("contract"))
             contract(dup, B3.transpose(1, 2), counts, s, out=dxa[:, r:], schedule=sched.get("contract"))
             if need_x:
-                dx = grouped_mm(dgate, w1.transpose(1, 2), counts)
-                dx += grouped_mm(dup, w3.transpose(1, 2), counts)
+                if w3 is None:
+                    dx = grouped_mm(dout, w1.transpose(1, 2), counts)
+                else:
+                    dx = grouped_mm(dgate, w1.transpose(1, 2), counts)
+                    dx += grouped_mm(dup, w3.transpose(1, 2), counts)
                 dx.addmm_(dxa, A)
             if need_A:
                 dA = dxa.T @ x
@@ -571,6 +613,32 @@ def lora_gate_up(x: torch.Tensor, A: torch.Tensor, B1: torch.Tensor, B3: torch.T
                          f"{tuple(x.shape)}: expected A [2r, Lt], B1 and B3 [E, F, r]")
     _check_module_inputs("lora_gate_up", x, counts, x=x, A=A, B1=B1, B3=B3, w1=w1, w3=w3)
     return _GateUpLoRA.apply(x, A, B1, B3, w1, w3, counts, float(scale))
+
+
+def lora_fc1(x: torch.Tensor, A: torch.Tensor, B1: torch.Tensor, B3: torch.Tensor, w13: torch.Tensor,
+             counts: torch.Tensor, scale: float) -> torch.Tensor:
+    """``lora_gate_up`` on megatron's fc1 layout: one stacked base weight, one ``[rows, 2F]`` output.
+
+    ``out = [gate | up]`` with ``gate``/``up`` as in ``lora_gate_up`` and ``w1``/``w3`` the two halves of
+    ``w13``; the base is one grouped GEMM (and one in the backward), the adapters are added into the output's
+    halves in place.
+
+    Args:
+        x: ``[rows, Lt]`` sorted by expert. A: ``[2r, Lt]`` = ``[w1_lora_A; w3_lora_A]``.
+        B1, B3: ``[E, F, r]``. w13: ``[E, 2F, Lt]`` (frozen; gate rows first). counts: ``[E]`` (moved to x's
+            device). scale: ``alpha / r``.
+
+    Returns:
+        ``[rows, 2F]`` in x's dtype.
+    """
+    counts = counts.to(x.device)
+    if A.dim() != 2 or B1.dim() != 3 or B1.shape != B3.shape or A.shape != (2 * B1.shape[2], x.shape[1]) \
+            or w13.dim() != 3 or tuple(w13.shape) != (B1.shape[0], 2 * B1.shape[1], x.shape[1]):
+        raise ValueError(f"lora_fc1: A {tuple(A.shape)}, B1 {tuple(B1.shape)}, B3 {tuple(B3.shape)}, w13 "
+                         f"{tuple(w13.shape)} for x {tuple(x.shape)}: expected A [2r, Lt], B1 and B3 [E, F, r], "
+                         "w13 [E, 2F, Lt]")
+    _check_module_inputs("lora_fc1", x, counts, x=x, A=A, B1=B1, B3=B3, w13=w13)
+    return _GateUpLoRA.apply(x, A, B1, B3, w13, None, counts, float(scale))
 
 
 def lora_down(h: torch.Tensor, A2: torch.Tensor, B2: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor,

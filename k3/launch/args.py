@@ -51,6 +51,7 @@ BACKENDS = ("torch", "megatron")
 ROLLOUT_ENGINES = ("embedded", "sglang")
 PEAK_DEVICES = ("cpu", "gpu")
 OFFLOAD_ROLLOUT_LEVELS = ("kv_cache", "weight")
+EXPERT_LORA_KERNELS = ("torch", "triton")  # k3.kernels.lora_grouped.KERNEL_CHOICES (not imported: no torch here)
 ENV_PREFIX = "K3_"
 
 # The recipe's LoRA target set (§4.1), Megatron module names under `decoder.layers.*.`. Exactly these are
@@ -179,6 +180,9 @@ class TrainArgs:
                                     "left out)", group="lora", factory=lambda: list(TARGET_MODULES))
     experts_shared_outer_loras: bool = opt(True, "share the outer expert factors over all experts (required)",
                                            group="lora")
+    expert_lora_kernel: str = opt("torch", "how the trainer's routed-expert adapters run their rank-r grouped GEMMs: "
+                                  "torch (grouped_mm) or triton (kernels that add into the frozen base's output; "
+                                  "needs CUDA and Triton)", choices=EXPERT_LORA_KERNELS, group="lora", ours=True)
     lora_base_cpu_backup: bool = opt(True, "engine keeps a host copy of its frozen base while released, so the "
                                      "trainer never re-sends it", group="lora", ours=True)
     # --- training
@@ -413,7 +417,8 @@ def resolve(args: TrainArgs) -> ResolvedConfig:
     notes: list[str] = []
     for name, choices in [("mode", MODES), ("task", TASKS), ("model_variant", MODEL_VARIANTS),
                           ("backend", BACKENDS), ("rollout_engine", ROLLOUT_ENGINES),
-                          ("colocate_memory_peak_device", PEAK_DEVICES)]:
+                          ("colocate_memory_peak_device", PEAK_DEVICES),
+                          ("expert_lora_kernel", EXPERT_LORA_KERNELS)]:
         _check_choice(a, name, choices)
     if a.reward_model is not None:
         _check_choice(a, "reward_model", REWARD_MODELS)

@@ -8,6 +8,7 @@ from collections import defaultdict
 from torch import nn
 
 from k3.config import K3Config
+from k3.kernels.lora_grouped import check_kernel_choice
 from k3.lora.config import LoRAConfig, LoRAConfigError
 from k3.lora.experts import LoRALatentExperts
 from k3.lora.linear import LoRALinear, new_lora_A
@@ -34,18 +35,23 @@ def lora_parameter_counts(model: nn.Module) -> tuple[int, int]:
     return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
 
 
-def apply_lora(model: nn.Module, config: LoRAConfig) -> nn.Module:
+def apply_lora(model: nn.Module, config: LoRAConfig, expert_lora_kernel: str = "torch") -> nn.Module:
     """Freeze every parameter of ``model``, then attach adapters at ``config.target_modules``; returns ``model``.
+
+    ``expert_lora_kernel``: ``"torch"`` or ``"triton"``, how the routed experts' adapters run their rank-r grouped
+    GEMMs (``LoRALatentExperts(lora_impl=...)``; the same adapters and math either way).
 
     The model is changed in place (modules replaced by ``LoRALinear`` / ``LoRALatentExperts`` that keep the
     base weights and their state-dict names) and remembers ``config`` as ``model.lora_config``. Adapters
     take the device and dtype of the weight they adapt (this also works under ``torch.device("meta")``).
 
     Raises ``LoRAConfigError`` if a target matches no module, or if the modules found disagree with the
-    layer schedule of ``model.config`` (e.g. a q_a_proj on a KDA layer); ``TypeError`` if LoRA is already on.
+    layer schedule of ``model.config`` (e.g. a q_a_proj on a KDA layer); ``TypeError`` if LoRA is already on;
+    ``ValueError`` for an unknown ``expert_lora_kernel`` or ``"triton"`` without Triton. Nothing is changed then.
     """
     if not isinstance(config, LoRAConfig):
         raise TypeError(f"apply_lora: config is a {type(config).__name__}, expected LoRAConfig")
+    check_kernel_choice(expert_lora_kernel, flag="expert_lora_kernel")
     if has_lora(model):
         raise TypeError("apply_lora: the model already carries LoRA adapters")
     sites = find_sites(model, config.target_modules)
@@ -75,7 +81,8 @@ def apply_lora(model: nn.Module, config: LoRAConfig) -> nn.Module:
         parent, leaf = _parent(model, path)
         base = getattr(parent, leaf)
         setattr(parent, leaf, LoRALatentExperts(base, r, alpha, p_drop, fc1="mlp.experts.linear_fc1" in targets,
-                                                fc2="mlp.experts.linear_fc2" in targets))
+                                                fc2="mlp.experts.linear_fc2" in targets,
+                                                lora_impl=expert_lora_kernel))
     model.lora_config = config
     trainable, total = lora_parameter_counts(model)
     log.info("LoRA r=%d alpha=%g on %d modules: trainable %d / total %d parameters (%.6f%%)", r, alpha,

@@ -47,7 +47,7 @@ EXPERT_FACTORS = ("w1_lora_A", "w1_lora_B", "w3_lora_A", "w3_lora_B", "w2_lora_A
 # [xa1 | x | xa3] buffer; w2aug = [w2 ; A2].
 _AUGMENTED = {"w1": (2, True), "w3": (2, False), "w2": (1, False)}
 
-LORA_IMPLS = ("torch", "triton")  # how the plain path runs its rank-r grouped GEMMs
+LORA_IMPLS = lora_grouped.KERNEL_CHOICES  # how the plain path runs its rank-r grouped GEMMs
 
 
 class LoRALatentExperts(LatentExperts):
@@ -148,13 +148,9 @@ class LoRALatentExperts(LatentExperts):
 
     def _use_triton(self, rows: torch.Tensor) -> bool:
         """Whether the plain path runs on the Triton kernels; a ValueError where they were asked for but cannot run."""
-        if self.lora_impl == "torch" or (self.dropout > 0 and self.training):  # dropout: the torch path applies it
-            return False
-        _check_lora_impl(self.lora_impl, self.fused)
-        if not lora_grouped.triton_runs_on(rows.device):
-            raise ValueError(f"lora_impl='triton': the Triton kernels cannot run on {rows.device} here (they need a "
-                             "CUDA device, or the CPU under TRITON_INTERPRET=1); use lora_impl='torch'")
-        return True
+        if self.lora_impl != "torch":
+            _check_lora_impl(self.lora_impl, self.fused)
+        return lora_grouped.kernels_run(self.lora_impl, rows.device, self.dropout > 0 and self.training)
 
     def factor_names(self) -> tuple[str, ...]:
         """The adapter factors this module holds, in chunk order."""
@@ -225,11 +221,7 @@ class LoRALatentExperts(LatentExperts):
 
 
 def _check_lora_impl(lora_impl: str, fused: bool) -> None:
-    if lora_impl not in LORA_IMPLS:
-        raise ValueError(f"lora_impl={lora_impl!r}: expected one of {LORA_IMPLS}")
-    if lora_impl == "triton":
-        if fused:
-            raise ValueError("lora_impl='triton' runs the plain path; it cannot be combined with fused=True "
-                             "(use fused=False, or lora_impl='torch' with fused=True)")
-        if not lora_grouped.triton_available():
-            raise ValueError("lora_impl='triton' needs Triton, which is not importable here; use lora_impl='torch'")
+    lora_grouped.check_kernel_choice(lora_impl)
+    if lora_impl == "triton" and fused:
+        raise ValueError("lora_impl='triton' runs the plain path; it cannot be combined with fused=True "
+                         "(use fused=False, or lora_impl='torch' with fused=True)")

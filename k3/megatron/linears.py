@@ -147,6 +147,8 @@ class GroupedExpertLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x [rows, in]`` sorted by local expert, ``counts [local_experts]`` -> ``[rows, out]``."""
+        if self.lora is not None and self.lora.adds_into_base(x):  # the adapter's kernels add into the base
+            return self.lora.base_plus_delta(x, self.weight, counts)
         out = grouped_mm(x, self.weight, counts)
         return out if self.lora is None else out + self.lora(x, counts)
 

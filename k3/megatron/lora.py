@@ -12,7 +12,7 @@ communication its base needs:
 | row-parallel ``linear_fc2`` | ``B · reduce_scatter(A_t x_t)`` (all-reduce without SP) | r-wide rows |
 | column-parallel ``linear_fc1`` | ``B_t · (A x)`` on the gathered input | none (inside the TP region) |
 | duplicated ``q_a``/``kv_a`` | ``B · (A x)`` on the gathered input | none (inside the TP region) |
-| routed experts fc1 / fc2 | shared-outer grouped GEMMs on the dispatched rows | none (outside TP) |
+| routed experts fc1 / fc2 | shared-outer grouped GEMMs on the dispatched rows (torch's, or Triton kernels that add into the base's output: ``expert_lora_kernel``) | none (outside TP) |
 
 Gradients: factors tagged ``k3_grad_sum`` are summed over TP / EP by ``k3.megatron.grads`` before megatron's
 data-parallel reduction, as ``k3.lora.sharding`` prescribes (inside the TP region every consumer of the
@@ -37,6 +37,7 @@ from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from torch import nn
 
+import k3.kernels.lora_grouped as lora_grouped
 from k3.kernels.grouped_mm import grouped_mm
 from k3.lora.config import LoRAConfig, LoRAConfigError
 from k3.lora.sharding import ParallelLayout, factor_rule, gather, grad_sum_group, local_shape, shard
@@ -46,7 +47,7 @@ from k3.megatron.mla import K3MLAttention
 from k3.megatron.mlp import K3SiTUMLP
 from k3.megatron.moe import K3LatentMoE, K3RoutedExperts
 
-__all__ = ["LoRAAdapter", "ParallelContext", "apply_megatron_lora", "gather_lora", "iter_lora", "load_lora",
+__all__ = ["ExpertFc1LoRA", "ExpertFc2LoRA", "ExpertLoRA", "LoRAAdapter", "ParallelContext", "apply_megatron_lora", "gather_lora", "iter_lora", "load_lora",
            "lora_factors", "lora_parameters", "mark_expert_factor"]
 
 
@@ -169,7 +170,30 @@ def mark_expert_factor(param: nn.Parameter, ctx: ParallelContext) -> None:
         param.shared = True
 
 
-class ExpertFc1LoRA(LoRAAdapter):
+class ExpertLoRA(LoRAAdapter):
+    """Base of the routed-expert adapters: which kernels run their rank-r grouped GEMMs.
+
+    ``kernel="torch"``: ``forward`` returns the delta and the base adds it (torch's grouped GEMM). ``"triton"``:
+    ``base_plus_delta`` runs the base grouped GEMM and adds the adapter into its output (and into its input
+    gradient) in the Triton kernels' epilogues (``k3/kernels/lora_grouped.py``), except while dropout is active.
+    """
+
+    def __init__(self, kernel: str = "torch", **kw) -> None:
+        super().__init__(**kw)
+        lora_grouped.check_kernel_choice(kernel, flag="expert_lora_kernel")
+        self.kernel = kernel
+
+    def adds_into_base(self, x: torch.Tensor) -> bool:
+        """Whether the base's forward goes through ``base_plus_delta`` for these rows; a ValueError where the
+        Triton kernels were asked for and cannot run on ``x``'s device."""
+        return lora_grouped.kernels_run(self.kernel, x.device, self.dropout > 0 and self.training,
+                                        flag="expert_lora_kernel")
+
+    def extra_repr(self) -> str:
+        return f"rank={self.rank}, scale={self.scale:g}, kernel={self.kernel}"
+
+
+class ExpertFc1LoRA(ExpertLoRA):
     """Routed experts' gate/up: shared ``w1_lora_A``/``w3_lora_A`` [r, Lt], per-expert ``w1_lora_B``/``w3_lora_B``
     [E_local, F, r]; ``delta_e = s · [B1_e (A1 x) | B3_e (A3 x)]`` (the fc1 output layout ``[gate | up]``)."""
 
@@ -190,8 +214,13 @@ class ExpertFc1LoRA(LoRAAdapter):
         return self.scale * torch.cat([grouped_mm(u1, self.w1_lora_B, counts),
                                        grouped_mm(u3, self.w3_lora_B, counts)], dim=-1)
 
+    def base_plus_delta(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``grouped(x, weight) + forward(x, counts)`` on the Triton kernels; ``weight [E_local, 2F, Lt]``."""
+        return lora_grouped.lora_fc1(x, torch.cat([self.w1_lora_A, self.w3_lora_A]), self.w1_lora_B,
+                                     self.w3_lora_B, weight, counts, self.scale)
 
-class ExpertFc2LoRA(LoRAAdapter):
+
+class ExpertFc2LoRA(ExpertLoRA):
     """Routed experts' down: per-expert ``w2_lora_A`` [E_local, r, F], shared ``w2_lora_B`` [Lt, r];
     ``delta_e = s · B2 (A2_e h)``."""
 
@@ -208,6 +237,10 @@ class ExpertFc2LoRA(LoRAAdapter):
         u = grouped_mm(self.adapter_input(h), self.w2_lora_A, counts)  # [rows, r]
         return self.scale * F.linear(u, self.w2_lora_B)
 
+    def base_plus_delta(self, h: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``grouped(h, weight) + forward(h, counts)`` on the Triton kernels; ``weight [E_local, Lt, F]``."""
+        return lora_grouped.lora_down(h, self.w2_lora_A, self.w2_lora_B, weight, counts, self.scale)
+
 
 def _layers(model: nn.Module):
     decoder = getattr(model, "decoder", None)
@@ -217,16 +250,22 @@ def _layers(model: nn.Module):
     return decoder.layers
 
 
-def apply_megatron_lora(model: nn.Module, lora: LoRAConfig, seed: int = 0) -> list[str]:
+def apply_megatron_lora(model: nn.Module, lora: LoRAConfig, seed: int = 0,
+                        expert_lora_kernel: str = "torch") -> list[str]:
     """Freeze ``model`` (a ``k3_model_provider`` stage) and attach adapters at ``lora.target_modules``.
 
+    ``expert_lora_kernel``: ``"torch"`` or ``"triton"``, how the routed-expert adapters run their rank-r grouped
+    GEMMs (``ExpertLoRA``; the same adapters and math either way).
+
     Returns the global names of the adapted linears. Call it before wrapping the model in megatron's DDP.
-    Raises ``LoRAConfigError`` when a target matches nothing on this stage and ``TypeError`` if LoRA is on.
+    Raises ``LoRAConfigError`` when a target matches nothing on this stage, ``TypeError`` if LoRA is on, and
+    ``ValueError`` for an unknown ``expert_lora_kernel`` or ``"triton"`` without Triton.
     """
     if not isinstance(lora, LoRAConfig):
         raise TypeError(f"apply_megatron_lora: lora is a {type(lora).__name__}, expected LoRAConfig")
     if any(isinstance(m, LoRAAdapter) for m in model.modules()):
         raise TypeError("apply_megatron_lora: the model already carries LoRA adapters")
+    lora_grouped.check_kernel_choice(expert_lora_kernel, flag="expert_lora_kernel")
     for p in model.parameters():
         p.requires_grad_(False)
     targets = set(lora.target_modules)
@@ -268,10 +307,10 @@ def apply_megatron_lora(model: nn.Module, lora: LoRAConfig, seed: int = 0) -> li
             E = layer.config.k3.num_experts
             if "mlp.experts.linear_fc1" in targets:
                 attach(experts.linear_fc1, "mlp.experts.linear_fc1", ExpertFc1LoRA, "mlp.experts.linear_fc1",
-                       num_experts=E)
+                       num_experts=E, kernel=expert_lora_kernel)
             if "mlp.experts.linear_fc2" in targets:
                 attach(experts.linear_fc2, "mlp.experts.linear_fc2", ExpertFc2LoRA, "mlp.experts.linear_fc2",
-                       num_experts=E)
+                       num_experts=E, kernel=expert_lora_kernel)
     missing = sorted(t for t, n in hits.items() if n == 0)
     whole_model = len(_layers(model)) == getattr(model.config, "num_layers", -1)
     if missing and whole_model:  # a pipeline stage may legitimately hold no layer of a target's kind

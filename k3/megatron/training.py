@@ -279,16 +279,18 @@ def build_lora_trainer(
     lora_seed: int = 0,
     betas: tuple[float, float] = (0.9, 0.999),
     adam_eps: float = 1e-8,
+    expert_lora_kernel: str = "torch",
 ) -> MegatronLoRATrainer:
     """This rank's trainer: model from ``config``, base weights via ``load_base(model)`` (e.g.
     ``partial(load_dist, load=DCP)`` or ``partial(load_hf_checkpoint, hf_dir=…, cfg=…)``), adapters from
     ``lora``, Adam (decoupled weight decay, i.e. AdamW; megatron exempts 1-D parameters and biases from decay)
-    over the adapters. Call after ``k3.megatron.parallel.init_parallel``."""
+    over the adapters; ``expert_lora_kernel`` as ``apply_megatron_lora``'s. Call after
+    ``k3.megatron.parallel.init_parallel``."""
     model = k3_model_provider(config)
     if torch.cuda.is_available():
         model = model.cuda()
     load_base(model)
-    apply_megatron_lora(model, lora, seed=lora_seed)
+    apply_megatron_lora(model, lora, seed=lora_seed, expert_lora_kernel=expert_lora_kernel)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                use_distributed_optimizer=use_distributed_optimizer)
     ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)

@@ -559,6 +559,21 @@ def _require_sglang(a: Any, in_process: bool) -> None:
         raise TrainingError(str(e)) from None
 
 
+def _require_expert_lora_kernel(kernel: str, device: str) -> None:
+    """Stop at once where ``--expert-lora-kernel triton`` cannot run on the trainer's device (it would fail at the
+    first training step, after the warm-up and the first rollout)."""
+    if kernel == "torch":
+        return
+    from k3.kernels import lora_grouped
+
+    if not lora_grouped.triton_available():
+        raise TrainingError("--expert-lora-kernel triton needs Triton (on a CUDA machine: pip install triton); "
+                            "use --expert-lora-kernel torch")
+    if not lora_grouped.triton_runs_on(device):
+        raise TrainingError(f"--expert-lora-kernel triton: the Triton kernels run on a CUDA device and this run "
+                            f"trains on {device}; use --expert-lora-kernel torch")
+
+
 def _grpo_config(r: ResolvedConfig) -> GRPOConfig:
     o = r.optimizer
     return GRPOConfig(eps_clip=r.grpo.eps_clip, eps_clip_high=r.grpo.eps_clip_high, std_eps=r.grpo.grpo_std_eps,
@@ -570,7 +585,8 @@ def worker_spec(r: ResolvedConfig) -> WorkerSpec:
     device = "cuda" if r.uses_gpus and torch.cuda.is_available() else "cpu"
     return WorkerSpec(model_dir=str(a.hf_checkpoint), lora_rank=a.lora_rank, lora_alpha=float(a.lora_alpha),
                       lora_dropout=a.lora_dropout, target_modules=tuple(a.target_modules), device=device,
-                      dtype="bfloat16" if device == "cuda" else "float32", seed=a.seed)
+                      dtype="bfloat16" if device == "cuda" else "float32", seed=a.seed,
+                      expert_lora_kernel=a.expert_lora_kernel)
 
 
 def _wandb_run(r: ResolvedConfig):
@@ -593,6 +609,8 @@ def run(resolved: ResolvedConfig, *, in_process: bool | None = None, sabotage_sy
             require_cuda()
         except MegatronBackendUnavailable as e:  # `k3 train` reports a TrainingError as one line, exit 1
             raise TrainingError(str(e)) from None
+    spec = worker_spec(resolved)
+    _require_expert_lora_kernel(a.expert_lora_kernel, spec.device)
     if a.backend == "torch" and resolved.layout.world_size > 1:
         raise TrainingError(f"the torch backend trains on one rank, but this layout has "
                             f"{resolved.layout.world_size} training ranks: use --backend megatron")
@@ -606,7 +624,6 @@ def run(resolved: ResolvedConfig, *, in_process: bool | None = None, sabotage_sy
         _require_sglang(a, in_process)  # stops at once, before Ray or any model is started
     # Test hook: an engine that acks every chunk but never activates (keeps serving version 0).
     sabotage_sync = sabotage_sync or os.environ.get("K3_TEST_BREAK_ADAPTER_SYNC") == "1"
-    spec = worker_spec(resolved)
     if a.backend == "megatron":
         from dataclasses import replace
 

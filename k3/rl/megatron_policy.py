@@ -70,6 +70,7 @@ def build_megatron_policy(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     stage_layers: tuple[int | None, int | None] = (None, None),
+    expert_lora_kernel: str = "torch",
 ) -> MegatronPolicy:
     """Join the process group, create megatron's TP/EP/PP groups for ``parallel`` = (TP, EP, PP, CP) and build
     this rank's policy: the K3 config of the BF16 HF checkpoint ``model_dir`` (the engine's), base weights from
@@ -77,8 +78,9 @@ def build_megatron_policy(
     ``model_dir`` (``load_hf_checkpoint``), adapters seeded by ``seed``, megatron's Adam with ``grpo``'s
     settings (default ``GRPOConfig()``, the recipe's). ``stage_layers``: the layers of the first and of the
     last pipeline stage under an uneven split (megatron's ``--decoder-first/last-pipeline-num-layers``; None:
-    even). On CUDA the model goes to the current device
-    (``init_parallel`` sets it from ``LOCAL_RANK``)."""
+    even). ``expert_lora_kernel``: ``torch`` or ``triton``, how the routed-expert adapters run
+    (``apply_megatron_lora``). On CUDA the model goes to the current device (``init_parallel`` sets it from
+    ``LOCAL_RANK``)."""
     from k3.checkpoint.hf_io import CheckpointError
     from k3.megatron.checkpoint import load_dist, load_hf_checkpoint, read_dist_config
     from k3.megatron.config import k3_transformer_config
@@ -108,7 +110,7 @@ def build_megatron_policy(
 
     trainer = build_lora_trainer(config, lora, load_base, lr=grpo.lr, clip_grad=grpo.clip_grad,
                                  weight_decay=grpo.weight_decay, betas=grpo.betas, adam_eps=grpo.adam_eps,
-                                 lora_seed=seed)
+                                 lora_seed=seed, expert_lora_kernel=expert_lora_kernel)
     return MegatronPolicy(trainer, cfg, lora, pad_id=pad_id, grpo=grpo,
                           max_tokens_per_micro_batch=max_tokens_per_micro_batch, parallel=parallel)
 

@@ -44,6 +44,7 @@ class WorkerSpec:
     ref_load: str | None = None
     parallel: tuple[int, int, int, int] = (1, 1, 1, 1)
     stage_layers: tuple[int | None, int | None] = (None, None)
+    expert_lora_kernel: str = "torch"  # the trainer's routed-expert adapters: torch or triton (the engine: torch)
 
     def lora_config(self):
         from k3.lora import LoRAConfig
@@ -61,7 +62,7 @@ def _load_model(spec: WorkerSpec):
 
     model = KimiK3ForCausalLM.from_pretrained(spec.model_dir, dtype=spec.torch_dtype(), device=spec.device)
     torch.manual_seed(spec.seed)  # the LoRA A init is then the same on every rank and every restart
-    return apply_lora(model, spec.lora_config())
+    return apply_lora(model, spec.lora_config(), expert_lora_kernel=spec.expert_lora_kernel)
 
 
 class EngineWorker:
@@ -159,7 +160,7 @@ class TrainerWorker:
             self.policy = build_megatron_policy(
                 spec.model_dir, spec.lora_config(), self.tokenizer.pad_id, grpo, max_tokens_per_micro_batch,
                 parallel=spec.parallel, ref_load=spec.ref_load, dtype=spec.torch_dtype(), seed=spec.seed,
-                stage_layers=spec.stage_layers)
+                stage_layers=spec.stage_layers, expert_lora_kernel=spec.expert_lora_kernel)
         elif spec.backend == "torch":
             self.policy = PolicyTrainer(_load_model(spec), pad_id=self.tokenizer.pad_id, grpo=grpo,
                                         max_tokens_per_micro_batch=max_tokens_per_micro_batch, device=spec.device)

@@ -319,6 +319,57 @@ def test_lora_functions_check_their_inputs():
         lg.lora_down(torch.randn(61, 12), m.w2_lora_A, m.w2_lora_B[:, :3], m.w2, counts, 2.0)
 
 
+@needs_interpreter
+def test_lora_fc1_on_megatrons_stacked_weight_equals_the_plain_math_forward_and_gradients(monkeypatch):
+    """Megatron's fc1 weight is ``[E, 2F, Lt]`` (gate rows, then up rows) with one ``[rows, 2F]`` output: the
+    kernels add into its two halves as column views, the base runs as one grouped GEMM each way."""
+    from k3.kernels.grouped_mm import grouped_mm_reference as ref
+
+    for kernel in ("expand", "contract", "weight_grad"):
+        monkeypatch.setitem(lg.DEFAULT_BLOCKS[kernel], "block_m", 16)
+    m, r, s = _experts(rank=3), 3, 1.5
+    counts = torch.tensor(COUNTS)
+    w13 = torch.cat([m.w1, m.w3], dim=1).detach()  # [E, 2F, Lt]
+    leaves = [t.detach().clone().requires_grad_() for t in
+              (torch.randn(61, 16), torch.cat([m.w1_lora_A, m.w3_lora_A]), m.w1_lora_B, m.w3_lora_B)]
+    x, A, B1, B3 = leaves
+    dy = torch.randn(61, 24)
+
+    got = lg.lora_fc1(x, A, B1, B3, w13, counts, s)
+    got_grads = torch.autograd.grad(got, leaves, dy)
+    xa = s * x @ A.T
+    want = torch.cat([ref(x, m.w1.detach(), counts) + ref(xa[:, :r], B1, counts),
+                      ref(x, m.w3.detach(), counts) + ref(xa[:, r:], B3, counts)], dim=-1)
+    want_grads = torch.autograd.grad(want, leaves, dy, retain_graph=True)
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+    for name, g, w in zip(("x", "A", "B1", "B3"), got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=GRAD_REL, atol=GRAD_REL * float(w.abs().max()), msg=name)
+    lg.lora_fc1(x, A, B1, B3, w13, counts, s).sum().backward()  # a stride-0 upstream gradient is taken too
+    torch.testing.assert_close(B1.grad, torch.autograd.grad(want.sum(), B1)[0], rtol=GRAD_REL, atol=1e-4)
+    with pytest.raises(ValueError, match="w13 \\[E, 2F, Lt\\]"):
+        lg.lora_fc1(x, A, B1, B3, w13[:, :-1], counts, s)
+
+
+def test_apply_lora_takes_the_expert_kernel_and_an_unknown_one_changes_nothing(monkeypatch):
+    from k3.config import variant
+    from k3.lora import LoRAConfig, apply_lora
+    from k3.model import KimiK3ForCausalLM
+
+    model = KimiK3ForCausalLM(variant("tiny"))
+    with pytest.raises(ValueError, match="expert_lora_kernel='cuda': expected one of \\('torch', 'triton'\\)"):
+        apply_lora(model, LoRAConfig(rank=2, alpha=4), expert_lora_kernel="cuda")
+    assert all(p.requires_grad for p in model.parameters())  # refused before the model was touched
+    monkeypatch.setattr(lg, "triton_available", lambda: False)
+    with pytest.raises(ValueError, match="expert_lora_kernel='triton' needs Triton.*use expert_lora_kernel='torch'"):
+        apply_lora(model, LoRAConfig(rank=2, alpha=4), expert_lora_kernel="triton")
+    monkeypatch.setattr(lg, "triton_available", lambda: True)
+    apply_lora(model, LoRAConfig(rank=2, alpha=4), expert_lora_kernel="triton")
+    experts = [e for e in model.modules() if isinstance(e, LoRALatentExperts)]
+    cfg = variant("tiny")
+    assert len(experts) == sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)) > 0
+    assert {e.lora_impl for e in experts} == {"triton"}
+
+
 # ------------------------------------------------------------------------------------------------ CUDA
 @pytest.mark.gpu
 @needs_cuda_triton

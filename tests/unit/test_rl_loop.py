@@ -163,3 +163,23 @@ def test_the_leak_baseline_is_taken_after_the_first_sync_that_follows_training()
     results = [worker._sync_result(v, 1, time.perf_counter(), {}, v, True) for v in (1, 2, 3, 4)]
     assert worker.leak.calls == ["baseline", "baseline", "check", "check"]
     assert [r["leak_problems"] for r in results] == [[], [], [], ["CUDA allocated +2.00 MiB over baseline"]]
+
+
+@pytest.mark.parametrize("have_triton, says", [
+    (False, "--expert-lora-kernel triton needs Triton (on a CUDA machine: pip install triton); use "
+            "--expert-lora-kernel torch"),
+    (True, "--expert-lora-kernel triton: the Triton kernels run on a CUDA device and this run trains on cpu; use "
+           "--expert-lora-kernel torch"),
+])
+def test_triton_expert_kernel_where_it_cannot_run_stops_before_anything_starts(setup, monkeypatch, capsys,
+                                                                               have_triton, says):
+    """It would fail only at the first training step, after the warm-up and the first rollout."""
+    import k3.kernels.lora_grouped as lg
+
+    monkeypatch.setenv("K3_IN_PROCESS", "1")
+    monkeypatch.setattr(lg, "triton_available", lambda: have_triton)
+    monkeypatch.setattr(lg, "triton_runs_on", lambda device: False)
+    run = setup / f"run-triton-{have_triton}"
+    assert train_main(_argv(setup, run, "--expert-lora-kernel", "triton")) == 1
+    assert f"k3 train: error: {says}" in capsys.readouterr().err
+    assert not (run / "metrics.jsonl").exists()
