@@ -586,7 +586,7 @@ def worker_spec(r: ResolvedConfig) -> WorkerSpec:
     return WorkerSpec(model_dir=str(a.hf_checkpoint), lora_rank=a.lora_rank, lora_alpha=float(a.lora_alpha),
                       lora_dropout=a.lora_dropout, target_modules=tuple(a.target_modules), device=device,
                       dtype="bfloat16" if device == "cuda" else "float32", seed=a.seed,
-                      expert_lora_kernel=a.expert_lora_kernel)
+                      expert_lora_kernel=a.expert_lora_kernel, transfer_buffer=a.lora_transfer_buffer)
 
 
 def _wandb_run(r: ResolvedConfig):

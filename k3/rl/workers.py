@@ -45,6 +45,7 @@ class WorkerSpec:
     parallel: tuple[int, int, int, int] = (1, 1, 1, 1)
     stage_layers: tuple[int | None, int | None] = (None, None)
     expert_lora_kernel: str = "torch"  # the trainer's routed-expert adapters: torch or triton (the engine: torch)
+    transfer_buffer: bool = False  # hand chunks over through one persistent TransferBuffer, not fresh buckets
 
     def lora_config(self):
         from k3.lora import LoRAConfig
@@ -179,7 +180,7 @@ class TrainerWorker:
         self._export_only = True
 
     def connect(self, address: str, authkey: bytes, timeout_s: float = 30.0) -> None:
-        from k3.transport.handoff import AdapterProducer
+        from k3.transport.handoff import AdapterProducer, TransferBuffer
 
         deadline = time.monotonic() + timeout_s
         while True:
@@ -190,7 +191,11 @@ class TrainerWorker:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
-        self._producer = AdapterProducer(conn, on_bucket=self.leak.track, same_process=_peer_pid(conn) == os.getpid())
+        # The export is BF16 (the serving contract); the buffer stays allocated across syncs by design, so the leak
+        # gate sees it in its baseline and tracks only fresh buckets.
+        buffer = TransferBuffer(self.spec.device, torch.bfloat16) if self.spec.transfer_buffer else None
+        self._producer = AdapterProducer(conn, transfer_buffer=buffer, on_bucket=self.leak.track,
+                                         same_process=_peer_pid(conn) == os.getpid())
         self._export_only = False
 
     # -- GRPO

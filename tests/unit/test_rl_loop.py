@@ -183,3 +183,41 @@ def test_triton_expert_kernel_where_it_cannot_run_stops_before_anything_starts(s
     assert train_main(_argv(setup, run, "--expert-lora-kernel", "triton")) == 1
     assert f"k3 train: error: {says}" in capsys.readouterr().err
     assert not (run / "metrics.jsonl").exists()
+
+
+def test_transfer_buffer_run_syncs_every_version_through_the_one_buffer_and_equals_fresh_buckets(setup, monkeypatch):
+    """--lora-transfer-buffer: every chunk of every version is staged into the one persistent buffer (no fresh
+    bucket reaches the leak gate), the engine serves each new version, and the run equals the fresh-bucket run
+    metric for metric: the engine sampled and scored with the same adapters."""
+    from k3.transport import handoff
+    from k3.transport.leakcheck import LeakCheck
+
+    monkeypatch.setenv("K3_IN_PROCESS", "1")
+    assert train_main(_argv(setup, setup / "fresh-buckets")) == 0
+    staged, fresh, buffers = [], [], []
+    real_stage, real_track, real_init = handoff.TransferBuffer.stage, LeakCheck.track, handoff.TransferBuffer.__init__
+
+    def init(self, *a, **k):
+        buffers.append(self)
+        real_init(self, *a, **k)
+
+    monkeypatch.setattr(handoff.TransferBuffer, "__init__", init)
+    monkeypatch.setattr(handoff.TransferBuffer, "stage", lambda self, ts: staged.append(len(ts)) or real_stage(self, ts))
+    monkeypatch.setattr(LeakCheck, "track", lambda self, t: fresh.append(t.numel()) or real_track(self, t))
+    run = setup / "transfer-buffer"
+    assert train_main(_argv(setup, run, "--lora-transfer-buffer")) == 0
+    ev = _events(run)
+    syncs = [e for e in ev if e["event"] == "sync"]
+    assert [s["adapter/version"] for s in syncs] == [1, 2, 3] and ev[-1]["status"] == "finished"
+    assert len(buffers) == 1 and buffers[0].dtype == torch.bfloat16 and buffers[0].device == torch.device("cpu")
+    assert len(staged) == sum(s["adapter/chunks"] for s in syncs) and not fresh
+    assert json.loads((run / "resolved_config.json").read_text())["lora_transfer_buffer"] is True
+
+    def numbers(events, kind):
+        return [{k: v for k, v in e.items() if k.startswith(("rollout/", "train/", "eval/"))}
+                for e in events if e["event"] == kind]
+
+    assert len(numbers(ev, "train")) == 2 and all("rollout/train_rollout_logprob_abs_diff" in t
+                                                  for t in numbers(ev, "train"))
+    for kind in ("rollout", "train", "eval"):
+        assert numbers(ev, kind) == numbers(_events(setup / "fresh-buckets"), kind), kind
