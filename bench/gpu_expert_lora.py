@@ -25,16 +25,17 @@ import argparse
 import contextlib
 import copy
 import functools
-import json
 import platform
 import statistics
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench folder: measure.py
+from measure import elapsed_ms, report  # noqa: E402
 
 import k3.kernels.expert_lora as expert_lora_mod
 import k3.kernels.lora_grouped as lora_grouped_mod
@@ -119,19 +120,6 @@ def expert_counts(E: int, tokens_per_expert: int, seed: int = 0) -> torch.Tensor
     gen = torch.Generator().manual_seed(seed)
     experts = torch.randint(0, E, (E * tokens_per_expert,), generator=gen)
     return torch.bincount(experts, minlength=E)
-
-
-def elapsed_ms(fn: Callable[[], object], device: torch.device) -> float:
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
 
 
 def time_side_by_side(fns: dict[str, Callable], repeats: int, warmup: int, device: torch.device) -> dict[str, float]:
@@ -317,15 +305,6 @@ def shape_arguments(ap: argparse.ArgumentParser, repeats: int = 10) -> argparse.
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     return ap
-
-
-def report(result: dict, table: str, out: Path | None) -> dict:
-    """Print the markdown table; write the JSON when ``out`` is given."""
-    print(table)
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
-    return result
 
 
 def parser() -> argparse.ArgumentParser:

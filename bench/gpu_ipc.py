@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import json
 import platform
 import statistics
 import sys
@@ -37,6 +36,9 @@ import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench folder: measure.py
+from measure import report  # noqa: E402
 
 from k3.lora.export import AdapterChunk
 from k3.transport import handoff
@@ -312,11 +314,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> dict:
     args = parser().parse_args(argv)
     result = run(args)
-    print(markdown(result))
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    return report(result, markdown(result), args.out)
 
 
 if __name__ == "__main__":

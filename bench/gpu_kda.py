@@ -13,36 +13,23 @@ block compares our forward with the torch chunked core in float32 on the same in
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench folder: measure.py
+from measure import elapsed_ms, report  # noqa: E402
+
 from k3.kernels import kda as kda_mod
 from k3.kernels.kda import kda_core, kda_core_with_gate
 
 GOAL = 1.05
 LOWER_BOUND = -5.0
-
-
-def elapsed_ms(fn: Callable[[], object], device: torch.device) -> float:
-    """One call's wall time in ms (CUDA events on a GPU)."""
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
 
 
 def time_side_by_side(ours: Callable, raw: Callable, repeats: int, warmup: int, device: torch.device) -> tuple[float, float]:
@@ -227,11 +214,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> dict:
     args = parser().parse_args(argv)
     result = run(args)
-    print(markdown(result))
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    return report(result, markdown(result), args.out)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ GPU, decode, GPU -> pinned host) against the CPU decoder (``PairDecoder``, one t
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -26,6 +25,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench folder: measure.py
+from measure import elapsed_ms, report  # noqa: E402
+
 from k3.checkpoint.mxfp4 import E8M0_MAX_FINITE_BF16, PairDecoder
 from k3.checkpoint.mxfp4 import decode_mxfp4 as codec_decode
 from k3.kernels.mxfp4_triton import TorchPairDecoder, decode_mxfp4, triton_available
@@ -34,19 +36,6 @@ GOAL = 0.5
 # (block_rows, block_bytes, num_warps); rows of a multiple of 16 bytes run the flat kernel on tiles of
 # block_rows * block_bytes consecutive bytes
 TRITON_TILES = [(16, 256, 4), (8, 512, 8), (32, 256, 8), (64, 256, 8), (4, 256, 4)]
-
-
-def elapsed_ms(fn: Callable[[], object], device: torch.device) -> float:
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
 
 
 def median_ms(fn: Callable[[], object], repeats: int, warmup: int, device: torch.device) -> float:
@@ -184,11 +173,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> dict:
     args = parser().parse_args(argv)
     result = run(args)
-    print(markdown(result))
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    return report(result, markdown(result), args.out)
 
 
 if __name__ == "__main__":
