@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_expert_lora import DTYPES, expert_counts, report, shape_arguments, time_side_by_side  # noqa: E402
+from gpu_expert_lora import DTYPES, expert_counts, shape_arguments, time_side_by_side  # noqa: E402
+from measure import report  # noqa: E402
 
 from k3.kernels.grouped_mm import grouped_mm  # noqa: E402
 
