@@ -24,7 +24,7 @@ import json
 import math
 import os
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,8 +41,11 @@ from k3.lora.config import LoRAConfig, LoRAConfigError
 from k3.lora.experts import LoRALatentExperts
 from k3.lora.linear import LoRALinear
 
+# ``out(numel, dtype, device)`` -> the 1-D tensor a chunk is written into (``export_chunks``' ``out``).
+ChunkAllocator = Callable[[int, torch.dtype, torch.device], torch.Tensor]
+
 __all__ = [
-    "AdapterChunk", "ChunkSpec", "ExportError", "chunk_layout", "export_chunks", "load_chunk",
+    "AdapterChunk", "ChunkAllocator", "ChunkSpec", "ExportError", "chunk_layout", "export_chunks", "flat_views", "load_chunk",
     "load_adapter_tensors", "save_peft_adapter", "load_peft_adapter", "read_peft_adapter_config", "write_peft_adapter", "PEFT_PREFIX",
     "ADAPTER_CONFIG_NAME", "ADAPTER_WEIGHTS_NAME", "adapter_nbytes",
 ]
@@ -205,6 +208,7 @@ def export_chunks(
     version: int,
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str | None = None,
+    out: ChunkAllocator | None = None,
 ) -> Iterator[AdapterChunk]:
     """Yield the model's adapters as one ``AdapterChunk`` per module group, in layer order.
 
@@ -213,6 +217,9 @@ def export_chunks(
         version: the adapter version (an integer >= 0; the recipe's first sync sends 1).
         dtype: tensor dtype of the export (BF16, the serving contract).
         device: where the exported copies live (default: each parameter's device).
+        out: ``out(numel, dtype, device)`` -> a 1-D tensor each chunk is written into, its tensors consecutive
+            views of it (``AdapterProducer.bucket_for``: the chunk is then already its bucket). Called once per
+            chunk, when the chunk is made; default: a fresh tensor per adapter tensor.
 
     Completeness is checked before the first chunk (``ExportError``). Chunks are materialized one at a
     time (plus one of look-ahead to know ``is_last``), so the export never holds the whole adapter.
@@ -224,19 +231,42 @@ def export_chunks(
     slots = _adapter_slots(model)
     _check_complete(layout, slots)
     config = lora.peft_config()
-    return _stream(layout, slots, version, dtype, device, config)
+    return _stream(layout, slots, version, dtype, device, config, out)
+
+
+def flat_views(flat: torch.Tensor, shapes: Iterable[tuple[int, ...]]) -> list[torch.Tensor]:
+    """Consecutive views of the 1-D ``flat`` with ``shapes``, in order (``flat`` must hold exactly their sum)."""
+    views, at = [], 0
+    for shape in shapes:
+        n = math.prod(shape)
+        views.append(flat[at:at + n].view(shape))
+        at += n
+    if at != flat.numel():
+        raise ValueError(f"the chunk's tensors need {at} elements, its destination has {flat.numel()}")
+    return views
 
 
 def _stream(layout: list[ChunkSpec], slots: dict[str, _Slot], version: int, dtype: torch.dtype,
-            device: torch.device | str | None, config: dict[str, Any]) -> Iterator[AdapterChunk]:
+            device: torch.device | str | None, config: dict[str, Any],
+            out: ChunkAllocator | None) -> Iterator[AdapterChunk]:
     last = len(layout) - 1
     for k, spec in enumerate(layout):
         tensors = []
         with torch.no_grad():
-            for name, _ in spec.tensors:
-                slot = slots[name]
-                t = slot.param.detach().to(device=device or slot.param.device, dtype=dtype, copy=True)
-                tensors.append((name, (t.unsqueeze(0) if slot.shared_expert_dim else t).contiguous()))
+            if out is None:
+                for name, _ in spec.tensors:
+                    slot = slots[name]
+                    t = slot.param.detach().to(device=device or slot.param.device, dtype=dtype, copy=True)
+                    tensors.append((name, (t.unsqueeze(0) if slot.shared_expert_dim else t).contiguous()))
+            else:
+                first = slots[spec.tensors[0][0]].param
+                where = torch.device(device) if device is not None else first.device
+                flat = out(sum(math.prod(shape) for _, shape in spec.tensors), dtype, where)
+                for (name, _), view in zip(spec.tensors, flat_views(flat, [s for _, s in spec.tensors])):
+                    slot = slots[name]
+                    view.copy_(slot.param.detach().unsqueeze(0) if slot.shared_expert_dim else slot.param.detach())
+                    tensors.append((name, view))
+                del flat
         yield AdapterChunk(tensors, version, is_first=k == 0, is_last=k == last, config=dict(config),
                            group=spec.group, layer=spec.layer)
         del tensors

@@ -42,8 +42,8 @@ import torch.distributed as dist
 from k3.checkpoint.names import hf_lora_to_megatron, megatron_lora_to_hf
 from k3.config import K3Config
 from k3.lora.config import LoRAConfig, LoRAConfigError
-from k3.lora.export import (PEFT_PREFIX, AdapterChunk, ChunkSpec, ExportError, chunk_layout,
-                            read_peft_adapter_config, write_peft_adapter)
+from k3.lora.export import (AdapterChunk, ChunkAllocator, ChunkSpec, ExportError, PEFT_PREFIX, chunk_layout,
+                            flat_views, read_peft_adapter_config, write_peft_adapter)
 from k3.rl.grpo import GRPOConfig, policy_loss
 from k3.rl.policy import Trajectory
 
@@ -333,23 +333,27 @@ class MegatronPolicy:
         return next(self.model.parameters()).device
 
     def _chunk_tensors(self, spec: ChunkSpec, factors: list[str], device: torch.device,
-                       dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
+                       dtype: torch.dtype, into: dict[str, torch.Tensor] | None = None) -> list[tuple[str, torch.Tensor]]:
         """This stage's chunk ``spec`` from its megatron ``factors`` (collective over the stage's TP/EP): one
         global factor at a time, each turned into its PEFT tensors as fresh ``dtype`` copies on ``device``
-        before the next is gathered, so at most the chunk plus one global factor is held."""
+        (or written into the given ``into`` views, by name) before the next is gathered, so at most the chunk
+        plus one global factor is held."""
         from k3.megatron.lora import iter_lora
 
         out: dict[str, torch.Tensor] = {}
         for name, factor in iter_lora(self.model, factors):
-            out.update({n: _export_copy(piece, device, dtype)
+            # a comprehension: no loop variable keeps a piece (a view of the factor) alive past ``del factor``
+            out.update({n: _export_copy(piece, device, dtype) if into is None else into[n].copy_(piece.detach())
                         for n, piece in megatron_lora_to_hf({name: factor}, self.cfg).items()})
             del factor  # before the next factor is gathered
         return [(n, out.pop(n)) for n, _ in spec.tensors]
 
     def export_chunks(self, version: int, device: torch.device | str | None = None,
-                      dtype: torch.dtype = torch.bfloat16) -> Iterator[AdapterChunk]:
+                      dtype: torch.dtype = torch.bfloat16, out: ChunkAllocator | None = None) -> Iterator[AdapterChunk]:
         """The adapters as ``AdapterChunk``s in ``chunk_layout`` order (fresh contiguous ``dtype`` copies on
         ``device``, default the parameters'); the set is checked before the first chunk (``ExportError``).
+        ``out``: as ``k3.lora.export.export_chunks``' (each chunk written into one tensor from it), where the chunk
+        is made on its final device (one stage, or ``device`` None or the stages' export device).
 
         Collective over TP/EP/PP: every rank calls it and runs the stream to its end, and every rank gets
         every chunk, in the same order (an engine feeder may be any rank; recipe §4.4). A chunk is made by
@@ -365,17 +369,27 @@ class MegatronPolicy:
         pp = dist.get_world_size(plan.pp_group)
         comm = self._export_device
         made_on = comm if pp > 1 or device is None else torch.device(device)
+        moved = pp > 1 and device is not None and torch.device(device) != comm  # a copy after the broadcast
+        in_place = out is not None and not moved
 
         def stream() -> Iterator[AdapterChunk]:
             last = len(plan.layout) - 1
             for k, spec in enumerate(plan.layout):
+                into = None
+                if in_place:
+                    flat = out(sum(math.prod(shape) for _, shape in spec.tensors), dtype, made_on)
+                    into = dict(zip((n for n, _ in spec.tensors), flat_views(flat, [s for _, s in spec.tensors])))
+                    del flat
                 if plan.owner[k] == plan.pp_rank:
-                    tensors = self._chunk_tensors(spec, plan.sources[k], made_on, dtype)
+                    tensors = self._chunk_tensors(spec, plan.sources[k], made_on, dtype, into)
+                elif into is not None:
+                    tensors = list(into.items())  # the broadcast fills them
                 else:
                     tensors = [(n, _export_buffer(shape, comm, dtype)) for n, shape in spec.tensors]
+                del into
                 if pp > 1:
                     _broadcast(tensors, dist.get_global_rank(plan.pp_group, plan.owner[k]), plan.pp_group)
-                    if device is not None:
+                    if moved:
                         tensors = [(n, t.to(device)) for n, t in tensors]
                 yield AdapterChunk(tensors, version, is_first=k == 0, is_last=k == last, config=dict(config),
                                    group=spec.group, layer=spec.layer)

@@ -218,10 +218,13 @@ class TrainerWorker:
         t0 = time.perf_counter()
         n = 0
 
+        # Each chunk is exported straight into the bucket (or transfer buffer) it travels in: no staging copy.
+        into = None if self._producer is None else self._producer.bucket_for
+
         def counted():
             nonlocal n
-            chunks = (self.policy.export_chunks(version, device=self.spec.device) if self._megatron
-                      else export_chunks(self.policy.model, version, device=self.spec.device))
+            chunks = (self.policy.export_chunks(version, device=self.spec.device, out=into) if self._megatron
+                      else export_chunks(self.policy.model, version, device=self.spec.device, out=into))
             for chunk in chunks:
                 n += 1
                 yield chunk

@@ -11,6 +11,10 @@ the chunk out of the bucket, drops its reference, and only then acks, so:
   once per allocation; its chunks then travel as small ``BufferSlice`` headers, ordered on CUDA by an
   interprocess event instead of a host sync.
 
+Exporting in place: an exporter that asks ``AdapterProducer.bucket_for`` where the next chunk goes and writes its
+tensors there (consecutive views, in order; ``export_chunks(..., out=producer.bucket_for)``) saves the staging
+copy: the chunk is already its bucket (or sits in the transfer buffer). Any other chunk is copied in as before.
+
 Versioning: chunks of a version arrive in order (``is_first`` ... ``is_last``); the receiver rejects a chunk
 whose version, index or names do not fit the stream, discards the half-built version, and activates a
 version only after its last chunk arrived complete. A rejection comes back as ``HandoffRejected``.
@@ -203,18 +207,27 @@ class TransferBuffer:
         self._buffer = buf
         self.generation += 1
 
-    def stage(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Copy ``tensors`` (all of ``dtype``) into the buffer; returns the filled prefix.
-
-        On CUDA the copy is only enqueued: ``event`` marks its end for the receiver's stream."""
-        numel = sum(t.numel() for t in tensors)
+    def claim(self, numel: int) -> torch.Tensor:
+        """The buffer's first ``numel`` elements (growing it first if it is smaller), to be written by the caller;
+        call ``mark_written`` after the writes are enqueued."""
         if numel > self.capacity:
             self._allocate(max(numel, 2 * self.capacity))
-        prefix = flatten_into(self._buffer, tensors)
+        return self._buffer[:numel]
+
+    def mark_written(self) -> None:
+        """On CUDA, record ``event`` behind the writes enqueued so far on the current stream (no host sync)."""
         if self.device.type == "cuda":
             if self._event is None:
                 self._event = torch.cuda.Event(enable_timing=False, interprocess=True)
             self._event.record(torch.cuda.current_stream(self.device))
+
+    def stage(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Copy ``tensors`` (all of ``dtype``) into the buffer; returns the filled prefix.
+
+        On CUDA the copy is only enqueued: ``event`` marks its end for the receiver's stream."""
+        prefix = self.claim(sum(t.numel() for t in tensors))
+        torch.cat([t.reshape(-1) for t in tensors], out=prefix)
+        self.mark_written()
         return prefix
 
     def release(self) -> None:
@@ -273,10 +286,57 @@ class AdapterProducer:
         self.unacked: dict[tuple[int, int], torch.Tensor] = {}
         self._shared_generation = 0  # the transfer buffer generation the receiver has mapped (0: none)
         self._shared_event = False  # whether the receiver has the transfer buffer's interprocess event
+        self._handed_out: torch.Tensor | None = None  # the last ``bucket_for`` destination, not yet sent
         self._closed = False
         use_file_system_sharing()
 
     # ------------------------------------------------------------------ one chunk
+    def bucket_for(self, numel: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+        """Where to write the next chunk to export it in place: a 1-D ``[numel]`` tensor.
+
+        A chunk whose tensors are then consecutive contiguous views of it, in order and covering it, is sent
+        without the staging copy (``send_chunk``); any other chunk is copied in as usual. With a transfer buffer
+        this is the buffer's prefix (so the chunk sent before must have been acked), else a fresh bucket, in shared
+        memory on the CPU. Only the latest destination counts.
+        """
+        if self._closed:
+            raise HandoffError("producer is closed")
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self._handed_out = None
+        if self.transfer_buffer is None:
+            out = torch.empty(numel, dtype=dtype, device=device)
+            if out.device.type == "cpu":
+                out.share_memory_()
+        else:
+            self._check_buffer_free()
+            if self.transfer_buffer.dtype != dtype or self.transfer_buffer.device != device:
+                raise HandoffError(f"bucket_for: {dtype} on {device} does not fit the transfer buffer "
+                                   f"({self.transfer_buffer.dtype} on {self.transfer_buffer.device})")
+            out = self.transfer_buffer.claim(numel)
+        self._handed_out = out
+        return out
+
+    def _check_buffer_free(self) -> None:
+        if self.unacked:
+            self.collect()
+        if self.unacked:
+            raise HandoffError(f"chunks {sorted(self.unacked)} were never acked; the transfer buffer they sit "
+                               "in cannot be overwritten")
+
+    def _exported_in_place(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        """The ``bucket_for`` destination if ``tensors`` are its consecutive views, in order, covering it."""
+        dest, self._handed_out = self._handed_out, None
+        if dest is None:
+            return None
+        at, size = dest.data_ptr(), dest.element_size()
+        for t in tensors:
+            if t.dtype != dest.dtype or t.device != dest.device or not t.is_contiguous() or t.data_ptr() != at:
+                return None
+            at += t.numel() * size
+        return dest if at == dest.data_ptr() + dest.numel() * size else None
+
     def send_chunk(self, chunk: ChunkLike, index: int) -> Ack:
         """Send one chunk as chunk ``index`` of its version and wait for the ack; returns it.
 
@@ -284,11 +344,10 @@ class AdapterProducer:
         """
         if self._closed:
             raise HandoffError("producer is closed")
-        if self.unacked:
+        if self.transfer_buffer is not None:
+            self._check_buffer_free()
+        elif self.unacked:
             self.collect()
-        if self.unacked and self.transfer_buffer is not None:
-            raise HandoffError(f"chunks {sorted(self.unacked)} were never acked; the transfer buffer they sit "
-                               "in cannot be overwritten")
         names = tuple(n for n, _ in chunk.tensors)
         tensors = [t for _, t in chunk.tensors]
         if not tensors:
@@ -301,20 +360,8 @@ class AdapterProducer:
             version=chunk.version, index=index, is_first=chunk.is_first, is_last=chunk.is_last, names=names,
             shapes=tuple(tuple(t.shape) for t in tensors), dtype=tensors[0].dtype, config=dict(chunk.config),
         )
-        if self.transfer_buffer is not None:
-            if self.transfer_buffer.dtype != header.dtype or self.transfer_buffer.device != tensors[0].device:
-                raise HandoffError(f"chunk {index}: {header.dtype} on {tensors[0].device} does not fit the transfer "
-                                   f"buffer ({self.transfer_buffer.dtype} on {self.transfer_buffer.device})")
-            bucket = self.transfer_buffer.stage(tensors)
-        else:
-            bucket = torch.empty(header.numel, dtype=header.dtype, device=tensors[0].device)
-            if bucket.device.type == "cpu":
-                bucket.share_memory_()  # allocate in shm directly: pickling would otherwise move (copy) it there
-            flatten_into(bucket, tensors)
-            # No host sync across processes: sharing a fresh CUDA storage records torch's IPC event behind the
-            # copy, and the receiver's stream waits on it when it opens the handle.
-            if self.on_bucket is not None:
-                self.on_bucket(bucket)
+        del chunk  # a chunk exported in place is views of its bucket: no frame of a failed send may keep it
+        bucket = self._bucket_of(tensors, header, index)
         if self.same_process:
             _sync_device(bucket.device)  # no IPC event between two threads of one process: finish the copy here
         del tensors  # the chunk's own tensors can go as soon as the bucket holds them
@@ -341,6 +388,34 @@ class AdapterProducer:
         if not ack.ok:
             raise HandoffRejected(f"receiver rejected chunk {index} of version {header.version}: {ack.error}")
         return ack
+
+    def _bucket_of(self, tensors: list[torch.Tensor], header: ChunkHeader, index: int) -> torch.Tensor:
+        """The bucket that carries the chunk: the ``bucket_for`` destination it was exported into, else a copy of
+        its tensors in the transfer buffer or in a fresh bucket (in shared memory on the CPU)."""
+        in_place = self._exported_in_place(tensors)
+        tb = self.transfer_buffer
+        if tb is not None:
+            if tb.dtype != header.dtype or tb.device != tensors[0].device:
+                raise HandoffError(f"chunk {index}: {header.dtype} on {tensors[0].device} does not fit the transfer "
+                                   f"buffer ({tb.dtype} on {tb.device})")
+            if in_place is not None:
+                tb.mark_written()  # behind the exporter's writes
+                return in_place
+            held = None if tb.buffer is None else tb.buffer.untyped_storage().data_ptr()
+            if any(t.untyped_storage().data_ptr() == held for t in tensors):
+                tensors = [t.clone() for t in tensors]  # written into the buffer, but not as its prefix in order
+            return tb.stage(tensors)
+        bucket = in_place
+        if bucket is None:
+            bucket = torch.empty(header.numel, dtype=header.dtype, device=tensors[0].device)
+            if bucket.device.type == "cpu":
+                bucket.share_memory_()  # allocate in shm directly: pickling would otherwise move (copy) it there
+            flatten_into(bucket, tensors)
+        # No host sync across processes: sharing a fresh CUDA storage records torch's IPC event behind the writes,
+        # and the receiver's stream waits on it when it opens the handle.
+        if self.on_bucket is not None:
+            self.on_bucket(bucket)
+        return bucket
 
     def _local_token(self, tensor: torch.Tensor) -> "LocalBucket":
         token = LocalBucket(id(tensor))
@@ -451,21 +526,30 @@ class AdapterProducer:
         last: Ack | None = None
         last_is_last = False
         index = 0
-        for chunk in chunks:
-            if version is None:
-                version = chunk.version
-                if not chunk.is_first:
-                    raise HandoffError(f"version {version}: the first chunk is not marked is_first")
-            elif last_is_last:
-                raise HandoffError(f"version {version}: chunk {index} comes after the chunk marked is_last")
-            elif chunk.version != version:
-                raise HandoffError(f"version {version}: chunk {index} carries version {chunk.version}")
-            elif chunk.is_first:
-                raise HandoffError(f"version {version}: chunk {index} is marked is_first")
-            last_is_last = chunk.is_last
-            last = self.send_chunk(chunk, index)
-            del chunk
-            index += 1
+        try:
+            for chunk in chunks:
+                if version is None:
+                    version = chunk.version
+                    if not chunk.is_first:
+                        raise HandoffError(f"version {version}: the first chunk is not marked is_first")
+                elif last_is_last:
+                    raise HandoffError(f"version {version}: chunk {index} comes after the chunk marked is_last")
+                elif chunk.version != version:
+                    raise HandoffError(f"version {version}: chunk {index} carries version {chunk.version}")
+                elif chunk.is_first:
+                    raise HandoffError(f"version {version}: chunk {index} is marked is_first")
+                last_is_last = chunk.is_last
+                last = self.send_chunk(chunk, index)
+                del chunk
+                index += 1
+        except BaseException:
+            # A chunk exported in place aliases its bucket, and the exporter's suspended generator holds the one it
+            # made last: drop both, so that after a failure only ``unacked`` holds a bucket (and
+            # ``discard_after_receiver_exit`` can tell a dead receiver's segment from one still in use).
+            chunk = None  # noqa: F841 - the frame outlives this call in the traceback
+            if hasattr(chunks, "close"):
+                chunks.close()
+            raise
         if last is None:
             raise HandoffError("send_version got no chunks")
         if not last_is_last:

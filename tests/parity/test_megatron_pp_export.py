@@ -39,6 +39,25 @@ def _chunks(chunks) -> list:
              [(n, tuple(t.shape), str(t.dtype), t.clone()) for n, t in c.tensors]) for c in chunks]
 
 
+def _in_place(policy, version: int) -> tuple[list, bool]:
+    """The export written into one given tensor per chunk (``out``, as ``AdapterProducer.bucket_for``): its
+    chunks, and whether each chunk's tensors were consecutive views of its tensor, covering it."""
+    flats, chunks, views = [], [], True
+
+    def out(numel, dtype, device):
+        flats.append(torch.full((numel,), float("nan"), dtype=dtype, device=device))
+        return flats[-1]
+
+    for chunk in policy.export_chunks(version, out=out):
+        at = flats[-1].data_ptr()
+        for _, t in chunk.tensors:
+            views &= t.is_contiguous() and t.data_ptr() == at
+            at += t.numel() * t.element_size()
+        views &= at == flats[-1].data_ptr() + flats[-1].numel() * flats[-1].element_size()
+        chunks += _chunks([chunk])
+    return chunks, views and len(flats) == len(chunks)
+
+
 def _set_adapters(policy) -> None:
     """B of every factor drawn from a generator seeded by its global name (fresh adapters have B = 0), A kept:
     the same values under every layout and on every stage."""
@@ -196,6 +215,7 @@ def _worker(root: Path) -> None:
         _set_adapters(policy)
         got["init"] = _chunks(policy.export_chunks(0, dtype=torch.float32))
         got["init_bf16"] = _chunks(policy.export_chunks(0))
+        got["in_place"] = _in_place(policy, 0)
         trajs = _trajectories(policy.cfg.vocab_size)
         if old_log_probs is None:  # pp1 runs first: every layout steps from the same old log-probs
             old_log_probs = policy.log_probs(trajs)
@@ -280,6 +300,16 @@ def test_pp_export_after_init_equals_one_stage_on_every_rank(results, layout, wh
     want = results["ranks"][0]["pp1"][which]
     for rank, r in enumerate(results["ranks"]):
         _assert_same_chunks(r[layout][which], want, f"{layout} rank {rank}")
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_export_into_given_tensors_equals_the_plain_export_on_every_rank(results, layout):
+    """``out`` (the hand-off's ``bucket_for``): the making stage writes each chunk into the one tensor, the other
+    stages receive the broadcast into it; the same chunks bit for bit, each the views of its tensor."""
+    for rank, r in enumerate(results["ranks"]):
+        chunks, views = r[layout]["in_place"]
+        _assert_same_chunks(chunks, r[layout]["init_bf16"], f"{layout} rank {rank}")
+        assert views, (layout, rank)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -186,31 +186,47 @@ def test_triton_expert_kernel_where_it_cannot_run_stops_before_anything_starts(s
 
 
 def test_transfer_buffer_run_syncs_every_version_through_the_one_buffer_and_equals_fresh_buckets(setup, monkeypatch):
-    """--lora-transfer-buffer: every chunk of every version is staged into the one persistent buffer (no fresh
-    bucket reaches the leak gate), the engine serves each new version, and the run equals the fresh-bucket run
-    metric for metric: the engine sampled and scored with the same adapters."""
+    """--lora-transfer-buffer: every chunk of every version is exported straight into the one persistent buffer (no
+    staging copy, no fresh bucket reaches the leak gate), the engine serves each new version, and the run equals
+    the fresh-bucket run metric for metric: the engine sampled and scored with the same adapters. The fresh-bucket
+    run exports each chunk into its bucket too (nothing is flattened in)."""
     from k3.transport import handoff
     from k3.transport.leakcheck import LeakCheck
 
     monkeypatch.setenv("K3_IN_PROCESS", "1")
-    assert train_main(_argv(setup, setup / "fresh-buckets")) == 0
-    staged, fresh, buffers = [], [], []
-    real_stage, real_track, real_init = handoff.TransferBuffer.stage, LeakCheck.track, handoff.TransferBuffer.__init__
+    calls = {"claim": 0, "stage": 0, "flatten_into": 0, "track": 0}
+    buffers = []
+
+    def counting(owner, name):
+        real = getattr(owner, name)
+
+        def wrapper(*a, **k):
+            calls[name] += 1
+            return real(*a, **k)
+        monkeypatch.setattr(owner, name, wrapper)
+
+    for owner, name in ((handoff.TransferBuffer, "claim"), (handoff.TransferBuffer, "stage"),
+                        (handoff, "flatten_into"), (LeakCheck, "track")):
+        counting(owner, name)
+    real_init = handoff.TransferBuffer.__init__
 
     def init(self, *a, **k):
         buffers.append(self)
         real_init(self, *a, **k)
 
+    assert train_main(_argv(setup, setup / "fresh-buckets")) == 0
+    fresh_syncs = [e for e in _events(setup / "fresh-buckets") if e["event"] == "sync"]
+    assert calls == {"claim": 0, "stage": 0, "flatten_into": 0, "track": sum(s["adapter/chunks"] for s in fresh_syncs)}
+
+    calls.update(track=0)
     monkeypatch.setattr(handoff.TransferBuffer, "__init__", init)
-    monkeypatch.setattr(handoff.TransferBuffer, "stage", lambda self, ts: staged.append(len(ts)) or real_stage(self, ts))
-    monkeypatch.setattr(LeakCheck, "track", lambda self, t: fresh.append(t.numel()) or real_track(self, t))
     run = setup / "transfer-buffer"
     assert train_main(_argv(setup, run, "--lora-transfer-buffer")) == 0
     ev = _events(run)
     syncs = [e for e in ev if e["event"] == "sync"]
     assert [s["adapter/version"] for s in syncs] == [1, 2, 3] and ev[-1]["status"] == "finished"
     assert len(buffers) == 1 and buffers[0].dtype == torch.bfloat16 and buffers[0].device == torch.device("cpu")
-    assert len(staged) == sum(s["adapter/chunks"] for s in syncs) and not fresh
+    assert calls == {"claim": sum(s["adapter/chunks"] for s in syncs), "stage": 0, "flatten_into": 0, "track": 0}
     assert json.loads((run / "resolved_config.json").read_text())["lora_transfer_buffer"] is True
 
     def numbers(events, kind):

@@ -14,6 +14,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 from multiprocessing.connection import Client, Listener
 from pathlib import Path
 
@@ -21,7 +22,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from k3.lora.export import AdapterChunk
+from k3.lora.export import AdapterChunk, flat_views
 from k3.rl.loop import STATE_NAME, TrainingError, latest_checkpoint, load_checkpoint_state
 from k3.transport.handoff import (AdapterProducer, AdapterReceiver, HandoffError, HandoffRejected, HandoffTimeout,
                                   TransferBuffer, digest_tensors, serve, spawn_receiver)
@@ -47,6 +48,17 @@ def _version(v: int) -> list[AdapterChunk]:
     g = torch.Generator().manual_seed(v)
     return [AdapterChunk([(n, torch.randn(s, generator=g).to(torch.bfloat16)) for n, s in names], v, i == 0,
                          i == len(LAYOUT) - 1) for i, names in enumerate(LAYOUT)]
+
+
+def _version_in_place(v: int, producer: AdapterProducer) -> Iterator[AdapterChunk]:
+    """``_version(v)``'s chunks, each written into ``producer.bucket_for`` as the exporter writes them: a generator
+    that holds the chunk it made last while suspended, as the exporter does."""
+    for chunk in _version(v):
+        flat = producer.bucket_for(sum(t.numel() for _, t in chunk.tensors), torch.bfloat16, "cpu")
+        views = flat_views(flat, [tuple(t.shape) for _, t in chunk.tensors])
+        for view, (_, t) in zip(views, chunk.tensors):
+            view.copy_(t)
+        yield AdapterChunk(list(zip(chunk.names, views)), v, chunk.is_first, chunk.is_last)
 
 
 def _digest(v: int) -> str:
@@ -95,15 +107,19 @@ def spawned():
 
 # ---------------------------------------------------------------------- the receiver (engine) dies
 @pytest.mark.parametrize("buffered", [False, True])
-def test_receiver_killed_mid_version_is_an_error_and_leaves_no_segment(spawned, buffered):
+@pytest.mark.parametrize("in_place", [False, True], ids=["copied-in", "exported-in-place"])
+def test_receiver_killed_mid_version_is_an_error_and_leaves_no_segment(spawned, buffered, in_place):
+    """Exported in place, the chunk in flight is views of its bucket and the exporter's generator holds it: the
+    failed send drops both, so the dead receiver's segment is still told apart and removed."""
     before = _segments()
     proc, conn = spawned(fault="kill", version=2, at=1)
     buffer = TransferBuffer("cpu", torch.bfloat16) if buffered else None
     producer = AdapterProducer(conn, transfer_buffer=buffer, ack_timeout_s=30)
-    assert producer.send_version(_version(1)).digest == _digest(1)
+    version = functools.partial(_version_in_place, producer=producer) if in_place else _version
+    assert producer.send_version(version(1)).digest == _digest(1)
     start = time.monotonic()
-    with pytest.raises(HandoffError, match="chunk 1 of version 2"):
-        producer.send_version(_version(2))
+    with pytest.raises(HandoffError, match="chunk 1 of version 2") as failure:  # kept: its frames stay alive, as
+        producer.send_version(version(2))                                     # in update_weights' except block
     assert time.monotonic() - start < 10  # the broken connection is seen at once, not after the 30 s timeout
     proc.join(timeout=10)
     assert proc.exitcode == -signal.SIGKILL
@@ -113,6 +129,7 @@ def test_receiver_killed_mid_version_is_an_error_and_leaves_no_segment(spawned, 
     # ... until the producer discards it: then nothing of this sync is left in /dev/shm.
     removed = producer.discard_after_receiver_exit()
     assert {name.lstrip("/") for name in removed} == left
+    del failure
     gc.collect()
     assert _segments() == before and not producer.unacked
     with pytest.raises(HandoffError, match="producer is closed"):  # a new receiver needs a new producer

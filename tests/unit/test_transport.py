@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import functools
 import gc
+import itertools
+import math
 import os
 import re
 import time
@@ -16,8 +18,9 @@ import torch.multiprocessing as mp
 
 from k3.config import variant
 from k3.lora import LoRAConfig, apply_lora
-from k3.lora.export import AdapterChunk, export_chunks
+from k3.lora.export import AdapterChunk, chunk_layout, export_chunks, flat_views
 from k3.model import KimiK3ForCausalLM
+from k3.transport import handoff
 from k3.transport.handoff import (Ack, AdapterProducer, AdapterReceiver, ChunkHeader, HandoffError, HandoffRejected,
                                   HandoffTimeout, TransferBuffer, digest_tensors, flatten_into, spawn_receiver,
                                   unflatten)
@@ -210,6 +213,9 @@ def _torch_segments():
     return {n for n in os.listdir("/dev/shm") if n.startswith(f"torch_{os.getpid()}_")}
 
 
+_VERSIONS = itertools.count(1)  # versions for the module's receiver, below the rejected test's 50
+
+
 @pytest.fixture(scope="module")
 def receiver():
     proc, conn = spawn_receiver(_make_receiver)
@@ -220,20 +226,25 @@ def receiver():
 
 
 @pytest.mark.parametrize("buffered", [False, True])
-def test_versions_arrive_bit_exact_across_processes(receiver, buffered):
+@pytest.mark.parametrize("in_place", [False, True], ids=["copied-in", "exported-in-place"])
+def test_versions_arrive_bit_exact_across_processes(receiver, buffered, in_place, monkeypatch):
     _, conn = receiver
     m = _tiny_lora()
     buffer = TransferBuffer("cpu", torch.bfloat16) if buffered else None
     producer = AdapterProducer(conn, transfer_buffer=buffer, ack_timeout_s=30)
+    copies = []  # staging copies: none when every chunk is exported into its bucket
+    real_stage, real_flatten = TransferBuffer.stage, handoff.flatten_into
+    monkeypatch.setattr(TransferBuffer, "stage", lambda self, ts: copies.append("stage") or real_stage(self, ts))
+    monkeypatch.setattr(handoff, "flatten_into", lambda b, ts: copies.append("flatten") or real_flatten(b, ts))
     before = _torch_segments()  # CUDA IPC ref-counter files of earlier tests in this process may linger
-    base_version = 10 if buffered else 1
-    for v in (base_version, base_version + 1):
+    for v in (next(_VERSIONS), next(_VERSIONS)):  # the module's receiver takes only newer versions
         with torch.no_grad():
             m.model.layers[2].block_sparse_moe.experts.w2_lora_B.add_(1.0)  # every version differs
         want = digest_tensors([kv for c in export_chunks(m, v) for kv in c.tensors])
-        ack = producer.send_version(export_chunks(m, v))
+        ack = producer.send_version(export_chunks(m, v, out=producer.bucket_for if in_place else None))
         assert ack.ok and ack.active_version == v and ack.digest == want
     assert not producer.unacked
+    assert (len(copies) == 0) if in_place else (len(copies) == 2 * len(chunk_layout(m.config, m.lora_config)))
     gc.collect()
     if buffered:
         largest = max(sum(t.numel() for _, t in c.tensors) for c in export_chunks(m, 0))
@@ -556,3 +567,86 @@ def test_the_interprocess_event_handle_travels_once_and_each_buffer_once_per_gen
     assert slices[0].event == b"event-handle"
     new_generation = [i for i, s in enumerate(slices) if i == 0 or s.generation != slices[i - 1].generation]
     assert [i for i, s in enumerate(slices) if s.buffer is not None] == new_generation and len(new_generation) >= 3
+
+
+# ---------------------------------------------------------------------- exporting in place
+@pytest.mark.parametrize("buffered", [False, True])
+def test_a_chunk_exported_into_bucket_for_is_sent_without_a_copy_and_anything_else_is_copied(buffered, monkeypatch):
+    conn = _AckingConn()
+    buffer = TransferBuffer("cpu", torch.bfloat16) if buffered else None
+    producer = AdapterProducer(conn, transfer_buffer=buffer, ack_timeout_s=5)
+    copies = []
+    real_stage, real_flatten = TransferBuffer.stage, handoff.flatten_into
+    monkeypatch.setattr(TransferBuffer, "stage", lambda self, ts: copies.append("stage") or real_stage(self, ts))
+    monkeypatch.setattr(handoff, "flatten_into", lambda b, ts: copies.append("flatten") or real_flatten(b, ts))
+    names, shapes = [n for n, _ in A], [s for _, s in A]
+    sizes = [math.prod(s) for s in shapes]
+    ref = [torch.arange(n, dtype=torch.bfloat16).view(s) + 10 * i for i, (n, s) in enumerate(zip(sizes, shapes))]
+    want = torch.cat([r.reshape(-1) for r in ref])
+
+    def send(tensors, version):
+        ack = producer.send_chunk(AdapterChunk(list(zip(names, tensors)), version, True, True), 0)
+        payload = conn.payloads[-1]
+        return ack, (buffer.buffer[:payload.numel] if buffered else payload)
+
+    dest = producer.bucket_for(sum(sizes), torch.bfloat16, "cpu")
+    views = flat_views(dest, shapes)
+    for v, r in zip(views, ref):
+        v.copy_(r)
+    ack, sent = send(views, 1)
+    assert ack.ok and copies == [] and torch.equal(sent, want)
+    assert sent.data_ptr() == dest.data_ptr()  # the destination itself travelled
+    assert buffered or dest.is_shared()  # a fresh CPU bucket is born in shared memory: pickling copies nothing
+
+    # Views of the destination in the wrong order, or tensors elsewhere: copied in, as any chunk is.
+    dest = producer.bucket_for(sum(sizes), torch.bfloat16, "cpu")
+    swapped = [dest[sizes[1]:].view(shapes[0]), dest[:sizes[1]].view(shapes[1])]
+    for v, r in zip(swapped, ref):
+        v.copy_(r)
+    ack, sent = send(swapped, 2)
+    assert ack.ok and copies == ["stage" if buffered else "flatten"] and torch.equal(sent, want)
+    producer.bucket_for(sum(sizes), torch.bfloat16, "cpu")
+    ack, sent = send([r.clone() for r in ref], 3)
+    assert ack.ok and len(copies) == 2 and torch.equal(sent, want)
+
+
+def test_bucket_for_refuses_an_occupied_transfer_buffer_and_another_dtype():
+    class Silent(_AckingConn):
+        def poll(self, timeout=None):
+            return False
+
+    producer = AdapterProducer(Silent(), transfer_buffer=TransferBuffer("cpu", torch.bfloat16), ack_timeout_s=0.05)
+    with pytest.raises(HandoffError, match="float32 on cpu does not fit the transfer buffer \\(torch.bfloat16 on cpu"):
+        producer.bucket_for(6, torch.float32, "cpu")
+    dest = producer.bucket_for(6, torch.bfloat16, "cpu")
+    with pytest.raises(HandoffTimeout):
+        producer.send_chunk(AdapterChunk([("a.lora_A.weight", dest.view(2, 3))], 1, True, True), 0)
+    with pytest.raises(HandoffError, match="never acked; the transfer buffer they sit in cannot be overwritten"):
+        producer.bucket_for(6, torch.bfloat16, "cpu")
+    producer.close()
+    with pytest.raises(HandoffError, match="producer is closed"):
+        producer.bucket_for(6, torch.bfloat16, "cpu")
+
+
+def test_export_into_given_tensors_equals_the_plain_export_bit_for_bit():
+    m = _tiny_lora()
+    flats = []
+
+    def out(numel, dtype, device):
+        flats.append(torch.full((numel,), float("nan"), dtype=dtype, device=device))
+        return flats[-1]
+
+    plain = list(export_chunks(m, 3))
+    placed = list(export_chunks(m, 3, out=out))
+    assert len(flats) == len(plain) == len(placed)
+    for p, q, flat in zip(plain, placed, flats):
+        assert p.names == q.names and (p.is_first, p.is_last, p.group, p.layer) == (q.is_first, q.is_last, q.group, q.layer)
+        for (_, a), (_, b) in zip(p.tensors, q.tensors):
+            assert a.dtype == b.dtype == torch.bfloat16 and torch.equal(a, b)
+        at = flat.data_ptr()
+        for _, b in q.tensors:  # consecutive views of the given tensor, covering it
+            assert b.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() and b.data_ptr() == at
+            at += b.numel() * b.element_size()
+        assert at == flat.data_ptr() + flat.numel() * flat.element_size()
+    with pytest.raises(ValueError, match="the chunk's tensors need 10 elements, its destination has 12"):
+        flat_views(torch.empty(12), [(2, 3), (4,)])
