@@ -1,8 +1,10 @@
 """Adapter sync benchmark: export + hand-off of a K3 LoRA adapter to a second process, and the memory gate.
 
 Only the adapters are materialized (the base model stays on the meta device), so the full 896-expert adapter
-fits on one GPU. Per sync: ``export_chunks`` (fresh BF16 copies) -> one bucket per chunk (fresh, or the
-persistent transfer buffer) -> CUDA IPC / shared memory -> the receiver copies each chunk out and acks.
+fits on one GPU. Per sync: ``export_chunks`` -> one bucket per chunk (fresh, or the persistent transfer buffer)
+-> CUDA IPC / shared memory -> the receiver copies each chunk out and acks. The export either makes fresh BF16
+copies that the producer then copies into the bucket ("copied in"), or writes each chunk straight into its bucket
+(``out=producer.bucket_for``, "in place", what ``k3 train`` does): one full copy of the adapter fewer per sync.
 Reports the sync time, the adapter bytes per second, and the producer's memory after every sync against the
 baseline (the recipe's "allocated returns to baseline after every weight sync").
 
@@ -52,7 +54,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     expected = {n: s for spec in layout for n, s in spec.tensors}
     nbytes = adapter_nbytes(layout)
     rows = []
-    for buffered in (False, True):
+    for buffered, in_place in ((False, False), (False, True), (True, False), (True, True)):
         receiver = functools.partial(AdapterReceiver, expected=expected, on_activate=_discard, device=args.device,
                                      digest=False)
         proc, conn = spawn_receiver(receiver)
@@ -66,7 +68,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             if args.device == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            ack = producer.send_version(export_chunks(model, v))
+            ack = producer.send_version(export_chunks(model, v, out=producer.bucket_for if in_place else None))
             if args.device == "cuda":
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
@@ -78,7 +80,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         after = [s.cuda_allocated_bytes for s in gate.samples] if args.device == "cuda" else [s.rss_bytes for s in gate.samples]
         base = gate.baseline.cuda_allocated_bytes if args.device == "cuda" else gate.baseline.rss_bytes
         rows.append({
-            "mode": "transfer buffer" if buffered else "fresh bucket per chunk",
+            "mode": ("transfer buffer" if buffered else "fresh bucket per chunk")
+            + (", exported in place" if in_place else ", copied in"),
             "chunks": len(layout), "adapter_mb": nbytes / 1e6,
             "sync_s_median": statistics.median(times), "sync_s_min": min(times),
             "gb_per_s": nbytes / 1e9 / statistics.median(times),
