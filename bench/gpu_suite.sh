@@ -53,7 +53,9 @@ PY
 # k3's default fla pinning (strict: only exact recorded keys). Not fla's full mode: it applied the tiny model's
 # configs at K3 head shapes and six KDA tests failed with Triton OutOfResources (shared memory 237568 > 232448).
 # K3_GPU_SUITE_TEST_FILES="tests/unit/test_gpu_ipc.py ..." runs only those files (default: the list below).
-TEST_FILES=${K3_GPU_SUITE_TEST_FILES:-"tests/unit/test_gpu_mxfp4.py tests/unit/test_gpu_expert_lora.py tests/unit/test_lora_grouped.py tests/unit/test_megatron_expert_kernel.py tests/unit/test_gpu_ipc.py tests/unit/test_gpu_kda.py"}
+DEFAULT_TEST_FILES="tests/unit/test_gpu_mxfp4.py tests/unit/test_gpu_expert_lora.py tests/unit/test_lora_grouped.py \
+tests/unit/test_megatron_expert_kernel.py tests/unit/test_gpu_ipc.py tests/unit/test_gpu_kda.py"
+TEST_FILES=${K3_GPU_SUITE_TEST_FILES:-$DEFAULT_TEST_FILES}
 # shellcheck disable=SC2086  # TEST_FILES is a list of paths
 step "gpu tests" 300 "$TESTS_LOG" env TRITON_PRINT_AUTOTUNING=1 python3 -m pytest -m gpu -v -rA --durations=25 --timeout=120 \
     --junitxml="$OUT/gpu_tests.xml" -p no:cacheprovider $TEST_FILES
@@ -62,12 +64,14 @@ if [ "${K3_GPU_SUITE_TESTS_ONLY:-0}" = 1 ]; then
     exit "$failed"
 fi
 
-# K3_GPU_SUITE_BENCHES="kda ipc" runs only those (default: all four).
-BENCHES=" ${K3_GPU_SUITE_BENCHES:-kda mxfp4 expert_lora ipc} "
+# K3_GPU_SUITE_BENCHES="kda ipc" runs only those (default: all five).
+BENCHES=" ${K3_GPU_SUITE_BENCHES:-kda mxfp4 expert_lora ipc handoff} "
 [[ $BENCHES == *" kda "* ]] && step "bench kda" 150 "$BENCH_LOG" env TRITON_PRINT_AUTOTUNING=1 python3 bench/gpu_kda.py --out "$OUT/gpu_kda.json"
 [[ $BENCHES == *" mxfp4 "* ]] && step "bench mxfp4" 25 "$BENCH_LOG" python3 bench/gpu_mxfp4.py --out "$OUT/gpu_mxfp4.json"
 [[ $BENCHES == *" expert_lora "* ]] && step "bench expert lora" 60 "$BENCH_LOG" python3 bench/gpu_expert_lora.py --out "$OUT/gpu_expert_lora.json"
 [[ $BENCHES == *" ipc "* ]] && step "bench ipc" 50 "$BENCH_LOG" python3 bench/gpu_ipc.py --out "$OUT/gpu_ipc.json"
+# The whole sync (export + hand-off) of the full r32 adapter, copied in vs exported in place, both bucket modes.
+[[ $BENCHES == *" handoff "* ]] && step "bench handoff" 120 "$BENCH_LOG" python3 bench/lora_handoff.py --device cuda --variant full --rank 32 --syncs 5
 
 echo "=== gpu_suite: $failed failed step(s) after ${SECONDS}s" | tee -a "$BENCH_LOG"
 exit "$failed"

@@ -54,8 +54,9 @@ import torch
 
 from k3.kernels.grouped_mm import grouped_mm, grouped_mm_reference, grouped_weight_grad_reference
 
-__all__ = ["DEFAULT_BLOCKS", "KERNEL_CHOICES", "MAX_RANK", "check_kernel_choice", "contract", "kernels_run", "cpu_interpreter_problem", "contract_reference", "expand_add_", "expand_add_reference",
-           "lora_down", "lora_fc1", "lora_gate_up", "tile_schedule", "triton_available", "triton_runs_on", "weight_grad",
+__all__ = ["DEFAULT_BLOCKS", "KERNEL_CHOICES", "MAX_RANK", "check_kernel_choice", "contract", "contract_reference",
+           "cpu_interpreter_problem", "expand_add_", "expand_add_reference", "kernels_run", "lora_down", "lora_fc1",
+           "lora_gate_up", "tile_schedule", "triton_available", "triton_runs_on", "weight_grad",
            "weight_grad_reference"]
 
 # Tile sizes per kernel (powers of two; the rank-r dimension is never tiled). First guesses, not measured yet.

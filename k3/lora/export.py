@@ -45,7 +45,8 @@ from k3.lora.linear import LoRALinear
 ChunkAllocator = Callable[[int, torch.dtype, torch.device], torch.Tensor]
 
 __all__ = [
-    "AdapterChunk", "ChunkAllocator", "ChunkSpec", "ExportError", "chunk_layout", "export_chunks", "flat_views", "load_chunk",
+    "AdapterChunk", "ChunkAllocator", "ChunkSpec", "ExportError", "chunk_layout", "export_chunks", "flat_views",
+    "load_chunk",
     "load_adapter_tensors", "save_peft_adapter", "load_peft_adapter", "read_peft_adapter_config", "write_peft_adapter", "PEFT_PREFIX",
     "ADAPTER_CONFIG_NAME", "ADAPTER_WEIGHTS_NAME", "adapter_nbytes",
 ]

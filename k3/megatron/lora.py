@@ -12,7 +12,7 @@ communication its base needs:
 | row-parallel ``linear_fc2`` | ``B · reduce_scatter(A_t x_t)`` (all-reduce without SP) | r-wide rows |
 | column-parallel ``linear_fc1`` | ``B_t · (A x)`` on the gathered input | none (inside the TP region) |
 | duplicated ``q_a``/``kv_a`` | ``B · (A x)`` on the gathered input | none (inside the TP region) |
-| routed experts fc1 / fc2 | shared-outer grouped GEMMs on the dispatched rows (torch's, or Triton kernels that add into the base's output: ``expert_lora_kernel``) | none (outside TP) |
+| routed experts fc1 / fc2 | shared-outer grouped GEMMs on the dispatched rows (``expert_lora_kernel``) | none (outside TP) |
 
 Gradients: factors tagged ``k3_grad_sum`` are summed over TP / EP by ``k3.megatron.grads`` before megatron's
 data-parallel reduction, as ``k3.lora.sharding`` prescribes (inside the TP region every consumer of the
@@ -47,8 +47,8 @@ from k3.megatron.mla import K3MLAttention
 from k3.megatron.mlp import K3SiTUMLP
 from k3.megatron.moe import K3LatentMoE, K3RoutedExperts
 
-__all__ = ["ExpertFc1LoRA", "ExpertFc2LoRA", "ExpertLoRA", "LoRAAdapter", "ParallelContext", "apply_megatron_lora", "gather_lora", "iter_lora", "load_lora",
-           "lora_factors", "lora_parameters", "mark_expert_factor"]
+__all__ = ["ExpertFc1LoRA", "ExpertFc2LoRA", "ExpertLoRA", "LoRAAdapter", "ParallelContext", "apply_megatron_lora",
+           "gather_lora", "iter_lora", "load_lora", "lora_factors", "lora_parameters", "mark_expert_factor"]
 
 
 class ParallelContext:

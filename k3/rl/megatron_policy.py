@@ -332,8 +332,8 @@ class MegatronPolicy:
         """Where the export gathers and broadcasts: the parameters' device (CUDA under NCCL)."""
         return next(self.model.parameters()).device
 
-    def _chunk_tensors(self, spec: ChunkSpec, factors: list[str], device: torch.device,
-                       dtype: torch.dtype, into: dict[str, torch.Tensor] | None = None) -> list[tuple[str, torch.Tensor]]:
+    def _chunk_tensors(self, spec: ChunkSpec, factors: list[str], device: torch.device, dtype: torch.dtype,
+                       into: dict[str, torch.Tensor] | None = None) -> list[tuple[str, torch.Tensor]]:
         """This stage's chunk ``spec`` from its megatron ``factors`` (collective over the stage's TP/EP): one
         global factor at a time, each turned into its PEFT tensors as fresh ``dtype`` copies on ``device``
         (or written into the given ``into`` views, by name) before the next is gathered, so at most the chunk
