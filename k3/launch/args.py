@@ -201,9 +201,9 @@ class TrainArgs:
                                            group="sync", ours=True)
     update_weight_buffer_size: int | None = opt(None, "bytes per base-weight transfer bucket (full 256MiB, "
                                                 "4layer 2GiB)", group="sync")
-    lora_transfer_buffer: bool = opt(False, "copy every adapter chunk into one persistent buffer that the engine "
-                                     "maps once (the recipe's IPC transfer-buffer variant) instead of a fresh "
-                                     "bucket per chunk; embedded engine only", group="sync", ours=True)
+    lora_transfer_buffer: bool = opt(False, "export every adapter chunk into one persistent buffer that the "
+                                     "engine maps once (the recipe's IPC transfer-buffer variant) instead of a "
+                                     "fresh bucket per chunk; embedded engine only", group="sync", ours=True)
     check_weight_update_equal: bool = opt(False, "check the engine's weights equal the trainer's after the "
                                           "first sync", group="sync")
     ipc_unlink_shim: bool | None = opt(None, "LD_PRELOAD the shm_unlink shim in every worker, so an already "
