@@ -140,6 +140,13 @@ def _broadcast(tensors: list[tuple[str, torch.Tensor]], src: int, group) -> None
         dist.broadcast(t, src=src, group=group)
 
 
+def _resolved(device: torch.device | str) -> torch.device:
+    """``device`` with the current CUDA device's index where it names none (``cuda`` == ``cuda:0`` on rank 0)."""
+    device = torch.device(device)
+    return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and device.index is None \
+        else device
+
+
 def _export_buffer(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """The receive buffer of a chunk tensor another pipeline stage makes (filled by the broadcast)."""
     return torch.empty(shape, device=device, dtype=dtype)
@@ -369,7 +376,7 @@ class MegatronPolicy:
         pp = dist.get_world_size(plan.pp_group)
         comm = self._export_device
         made_on = comm if pp > 1 or device is None else torch.device(device)
-        moved = pp > 1 and device is not None and torch.device(device) != comm  # a copy after the broadcast
+        moved = pp > 1 and device is not None and _resolved(device) != _resolved(comm)  # a copy after the broadcast
         in_place = out is not None and not moved
 
         def stream() -> Iterator[AdapterChunk]:
