@@ -25,27 +25,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from layout_parity import trajectories
 from tiny_checkpoint import write_tiny_checkpoint
 
 RANK, ALPHA = 4, 8.0
 STEPS = 3
 MAX_TOKENS = 24  # megatron: rows of 2 at the longest trajectory; torch: its own greedy split
-ADVANTAGES = (1.0, -0.5, 0.7, -1.2, 0.3, -0.3)
 
 
 # ---------------------------------------------------------------------------------------------- the workers
-def _trajectories(vocab: int):
-    from k3.rl.policy import Trajectory
-
-    gen = torch.Generator().manual_seed(5)
-    out = []
-    for k, adv in enumerate(ADVANTAGES):
-        p, n = 2 + k % 4, 1 + (3 * k) % 7
-        ids = torch.randint(3, vocab, (p + n,), generator=gen).tolist()
-        out.append(Trajectory(ids[:p], ids[p:], adv))
-    return out
-
-
 def _chunks(chunks) -> list[tuple[str, int, bool, bool, list[tuple[str, tuple[int, ...], str, torch.Tensor]]]]:
     return [(c.group, c.layer, c.is_first, c.is_last, [(n, tuple(t.shape), str(t.dtype), t) for n, t in c.tensors])
             for c in chunks]
@@ -86,7 +74,7 @@ def _policy_worker(root: Path) -> dict:
         load_chunk(ref, chunk)
     torch_policy = PolicyTrainer(ref, pad_id=0, grpo=grpo, max_tokens_per_micro_batch=MAX_TOKENS)
 
-    trajs = _trajectories(ref.config.vocab_size)
+    trajs = trajectories(ref.config.vocab_size)
     out["lp_torch"] = torch_policy.log_probs(trajs)
     out["lp_megatron"] = policy.log_probs(trajs)
     for t, lp in zip(trajs, out["lp_torch"]):
@@ -178,7 +166,7 @@ def _layout_run(policy, old_log_probs) -> dict:
     from k3.megatron.lora import gather_lora
 
     _randomize_B(policy)
-    trajs = _trajectories(policy.cfg.vocab_size)
+    trajs = trajectories(policy.cfg.vocab_size)
     got = {"dp": policy.dp, "lp": policy.log_probs(trajs)}
     for t, lp in zip(trajs, old_log_probs):
         t.old_log_probs = lp

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from layout_parity import trajectories
 
 RANK, ALPHA = 4, 8.0
 MAX_TOKENS = 24
-ADVANTAGES = (1.0, -0.5, 0.7, -1.2, 0.3, -0.3)
 NPROC = 4
 # name -> (TP, EP, PP, CP) on 4 ranks: pp1 is DP4, pp2 DP2, pp2xtp2 DP1, pp2xep2 DP2 (expert-DP 1)
 LAYOUTS = {"pp1": (1, 1, 1, 1), "pp2": (1, 1, 2, 1), "pp2xtp2": (2, 1, 2, 1), "pp2xep2": (1, 2, 2, 1)}
@@ -83,18 +83,6 @@ def _whole_adapter(policy) -> dict:
     parts: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(parts, gather_lora(policy.model), group=group)
     return megatron_lora_to_hf({k: v for part in parts for k, v in part.items()}, policy.cfg)
-
-
-def _trajectories(vocab: int):
-    from k3.rl.policy import Trajectory
-
-    gen = torch.Generator().manual_seed(5)
-    out = []
-    for k, adv in enumerate(ADVANTAGES):
-        p, n = 2 + k % 4, 1 + (3 * k) % 7
-        ids = torch.randint(3, vocab, (p + n,), generator=gen).tolist()
-        out.append(Trajectory(ids[:p], ids[p:], adv))
-    return out
 
 
 def _held_bytes(policy) -> dict:
@@ -216,7 +204,7 @@ def _worker(root: Path) -> None:
         got["init"] = _chunks(policy.export_chunks(0, dtype=torch.float32))
         got["init_bf16"] = _chunks(policy.export_chunks(0))
         got["in_place"] = _in_place(policy, 0)
-        trajs = _trajectories(policy.cfg.vocab_size)
+        trajs = trajectories(policy.cfg.vocab_size)
         if old_log_probs is None:  # pp1 runs first: every layout steps from the same old log-probs
             old_log_probs = policy.log_probs(trajs)
         for t, lp in zip(trajs, old_log_probs):
