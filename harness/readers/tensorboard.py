@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 from harness.readers.errors import ReaderUnavailable
+from harness.readers.read_once import ReadOnceSource
 from harness.run_data import Point, RunData
 
 __all__ = ["TensorBoardSource", "is_tensorboard", "EVENT_FILE_GLOB"]
@@ -25,18 +27,12 @@ def is_tensorboard(path: Path) -> bool:
     return path.is_dir() and next(path.rglob(EVENT_FILE_GLOB), None) is not None
 
 
-class TensorBoardSource:
+class TensorBoardSource(ReadOnceSource):
     """Reads every event file under a directory (or one file) once; later reads add nothing."""
 
     kind = "tensorboard"
 
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self._done = False
-
-    def read(self, run: RunData, final: bool = False) -> int:
-        if self._done:
-            return 0
+    def _open(self) -> tuple[Any, Any]:
         try:
             from tensorboard.backend.event_processing import event_accumulator
             from tensorboard.util import tensor_util
@@ -45,8 +41,10 @@ class TensorBoardSource:
                 f"{self.path}: reading TensorBoard event files needs the 'tensorboard' package "
                 f"(pip install tensorboard): {e}"
             ) from None
-        self._done = True
-        before = run.events
+        return event_accumulator, tensor_util
+
+    def _read_all(self, run: RunData, opened: tuple[Any, Any]) -> None:
+        event_accumulator, tensor_util = opened
         files = [self.path] if self.path.is_file() else sorted(self.path.rglob(EVENT_FILE_GLOB))
         for directory in sorted({f.parent for f in files}):
             accumulator = event_accumulator.EventAccumulator(
@@ -79,4 +77,3 @@ class TensorBoardSource:
                 if not math.isfinite(value):
                     run.problem(f"{where_dir}:{tag}@{step}", f"non-finite value {value}")
                 run.add(Point(tag, step, value, seq, f"{where_dir}:{tag}@{step}", wall_time))
-        return run.events - before

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.readers.errors import ReaderError, ReaderUnavailable
+from harness.readers.read_once import ReadOnceSource
 from harness.run_data import ConfigEntry, Point, RunData, config_text
 
 __all__ = ["WandbOfflineSource", "is_wandb_offline", "find_wandb_file"]
@@ -64,18 +65,12 @@ def is_wandb_offline(path: Path) -> bool:
         return True  # it is one; open_source reports the ambiguity
 
 
-class WandbOfflineSource:
+class WandbOfflineSource(ReadOnceSource):
     """Reads one W&B offline run once; later reads add nothing."""
 
     kind = "wandb"
 
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self._done = False
-
-    def read(self, run: RunData, final: bool = False) -> int:
-        if self._done:
-            return 0
+    def _open(self) -> tuple[Any, Path]:
         try:
             from wandb.proto import wandb_internal_pb2
         except ImportError as e:
@@ -84,8 +79,10 @@ class WandbOfflineSource:
         file = find_wandb_file(self.path)
         if file is None:
             raise ReaderError(f"{self.path}: no run-*.wandb file here")
-        self._done = True
-        before = run.events
+        return wandb_internal_pb2, file
+
+    def _read_all(self, run: RunData, opened: tuple[Any, Path]) -> None:
+        wandb_internal_pb2, file = opened
         for number, payload in enumerate(_records(run, file), 1):
             where = f"{file.name}:record {number}"
             record = wandb_internal_pb2.Record()
@@ -101,7 +98,6 @@ class WandbOfflineSource:
                 self._config(run, where, record.run.config.update)
             elif kind == "config":
                 self._config(run, where, record.config.update)
-        return run.events - before
 
     def _history(self, run: RunData, where: str, items: Any) -> None:
         row: dict[str, Any] = {}
