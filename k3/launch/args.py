@@ -203,7 +203,7 @@ class TrainArgs:
                                                 "4layer 2GiB)", group="sync")
     lora_transfer_buffer: bool = opt(False, "export every adapter chunk into one persistent buffer that the "
                                      "engine maps once (the recipe's IPC transfer-buffer variant) instead of a "
-                                     "fresh bucket per chunk; embedded engine only", group="sync", ours=True)
+                                     "fresh bucket per chunk", group="sync", ours=True)
     check_weight_update_equal: bool = opt(False, "check the engine's weights equal the trainer's after the "
                                           "first sync", group="sync")
     ipc_unlink_shim: bool | None = opt(None, "LD_PRELOAD the shm_unlink shim in every worker, so an already "
@@ -562,9 +562,6 @@ def _validate_values(a: TrainArgs) -> None:
         raise _fail(f"--lora-base-cpu-backup needs 'weight' in --offload-rollout-level (got "
                     f"{' '.join(a.offload_rollout_level) or 'nothing'}): add weight, or pass "
                     "--no-lora-base-cpu-backup")
-    if a.lora_transfer_buffer and a.rollout_engine == "sglang":
-        raise _fail("--lora-transfer-buffer is the embedded engine's hand-off; SGLang's engine loads each chunk "
-                    "from its own flattened bucket: drop the flag, or use --rollout-engine embedded")
     if a.num_gpus_per_node == 0 and a.rollout_engine == "sglang":
         raise _fail("--rollout-engine sglang needs GPUs (--num-gpus-per-node 0 is CPU): use --rollout-engine "
                     "embedded on CPU")

@@ -304,9 +304,6 @@ def test_worker_env():
          "--global-batch-size 15 must be a multiple of the data-parallel size 2"),
         (TrainArgs(extra_env_vars="A=1 oops"),
          "--extra-env-vars: 'oops' is not KEY=VALUE (pairs are space-separated)"),
-        (TrainArgs(rollout_engine="sglang", lora_transfer_buffer=True),
-         "--lora-transfer-buffer is the embedded engine's hand-off; SGLang's engine loads each chunk from its own "
-         "flattened bucket: drop the flag, or use --rollout-engine embedded"),
         (TrainArgs(expert_lora_kernel="cuda"), "--expert-lora-kernel 'cuda': expected one of torch, triton"),
         (TrainArgs(mode="fast"), "--mode 'fast': expected one of debug_minimal, normal"),
         (TrainArgs(reward_model="exact"), "--reward-model 'exact': expected one of deterministic_random, deepscaler, "

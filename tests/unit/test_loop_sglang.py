@@ -167,18 +167,28 @@ def expected_timeline(peak: str, streamed: bool, n_chunks: int) -> list[str]:
 
 
 # ============================================================================ the loop
+@pytest.mark.parametrize("buffered", [False, True], ids=["fresh-buckets", "transfer-buffer"])
 @pytest.mark.parametrize("streamed", [True, False], ids=["recipe-build-streamed", "upstream-whole"])
 @pytest.mark.parametrize("peak", ["cpu", "gpu"])
-def test_loop_drives_sglang_in_the_recipes_order(fake_sglang, tiny, monkeypatch, peak, streamed):
+def test_loop_drives_sglang_in_the_recipes_order(fake_sglang, tiny, monkeypatch, peak, streamed, buffered):
+    """Also through the transfer buffer: the forwarder hands SGLang a copy of each chunk (streamed) or keeps a
+    clone (whole) before the ack lets the trainer overwrite the buffer."""
     from sglang.srt.managers import io_struct
 
     io_struct.use_recipe_build(streamed)
     monkeypatch.setenv("K3_IN_PROCESS", "1")
     monkeypatch.setattr(loop_mod, "TrainerWorker", RecordingTrainer)
-    run = tiny / f"run-{peak}-{streamed}"
-    assert train_main(_argv(tiny, run, "--colocate-memory-peak-device", peak)) == 0
+    from k3.transport.handoff import TransferBuffer
+
+    claims = []
+    real_claim = TransferBuffer.claim
+    monkeypatch.setattr(TransferBuffer, "claim", lambda self, n: claims.append(n) or real_claim(self, n))
+    run = tiny / f"run-{peak}-{streamed}-{buffered}"
+    flags = ["--colocate-memory-peak-device", peak] + (["--lora-transfer-buffer"] if buffered else [])
+    assert train_main(_argv(tiny, run, *flags)) == 0
 
     n_chunks = len(chunk_layout(variant("tiny"), LoRAConfig(rank=16, alpha=32)))
+    assert len(claims) == (3 * n_chunks if buffered else 0)  # every chunk of the 3 versions through the buffer
     assert rendered(fake_sglang.TIMELINE) == expected_timeline(peak, streamed, n_chunks)
     # Adapters change only while generation is paused, and never with the weights released.
     for _, call, d in fake_sglang.TIMELINE:
