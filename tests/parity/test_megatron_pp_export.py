@@ -332,17 +332,20 @@ def test_one_step_under_pp_matches_one_stage(results, layout):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_exporter_holds_about_one_chunk(results, layout):
     """Peak adapter bytes the exporter holds (beyond the parameters), per rank, with a consumer that drops each
-    chunk: at most the largest chunk (BF16) plus, on the stage making it, one gathered global factor (float32),
-    far below the whole adapter; nothing left behind. No object (pickling) collective on the way; one tensor
+    chunk: at most the largest chunk (BF16) plus, on the stage making it, one gathered global factor (float32)
+    (plus, under PP, one adapter tensor gloo may still hold), far below the whole adapter; nothing left behind. No object (pickling) collective on the way; one tensor
     broadcast per adapter tensor under PP; each ``iter_lora`` call gathers one chunk's factors."""
     layout_specs = _layout()
     chunk_bytes = [2 * sum(math.prod(s) for _, s in spec.tensors) for spec in layout_specs]
     total = sum(chunk_bytes)
     n_tensors = sum(len(spec.tensors) for spec in layout_specs)
+    # Under PP, gloo may still hold the previous broadcast's tensor when the next chunk's buffers are made: when
+    # its work object lets go depends on timing (measured once on a loaded CI box: +256 B over the bound without it)
+    largest_tensor = max(2 * math.prod(s) for spec in layout_specs for _, s in spec.tensors)
     pp = LAYOUTS[layout][2]
     for rank, r in enumerate(results["ranks"]):
         held = r[layout]["held"]
-        bound = max(chunk_bytes) + held["largest_factor"]
+        bound = max(chunk_bytes) + held["largest_factor"] + (largest_tensor if pp > 1 else 0)
         assert max(chunk_bytes) <= held["peak"] <= bound, (layout, rank, held["peak"], bound)
         assert 4 * bound < total, (bound, total)  # the bound is a chunk's, not the adapter's
         assert held["after"] == 0 and held["chunks"] == len(layout_specs)
