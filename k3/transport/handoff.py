@@ -485,6 +485,7 @@ class AdapterProducer:
         never drops to zero after that, so torch never unlinks it a second time. A segment still held here
         (someone kept a reference to the bucket) is left alone. The producer is closed afterwards.
         """
+        self._handed_out = None  # a destination the exporter was writing when the receiver died: never sent
         buckets = list(self.unacked.values())
         if self.transfer_buffer is not None and self.transfer_buffer._buffer is not None:
             buckets.append(self.transfer_buffer._buffer)
@@ -558,9 +559,10 @@ class AdapterProducer:
         return last
 
     def close(self) -> None:
-        """Tell the receiver to stop, and free the transfer buffer."""
+        """Tell the receiver to stop, and free the transfer buffer (and a ``bucket_for`` destination never sent)."""
         if not self._closed:
             self._closed = True
+            self._handed_out = None
             try:
                 self.conn.send(_CLOSE)
             except (BrokenPipeError, OSError):

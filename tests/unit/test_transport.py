@@ -650,3 +650,13 @@ def test_export_into_given_tensors_equals_the_plain_export_bit_for_bit():
         assert at == flat.data_ptr() + flat.numel() * flat.element_size()
     with pytest.raises(ValueError, match="the chunk's tensors need 10 elements, its destination has 12"):
         flat_views(torch.empty(12), [(2, 3), (4,)])
+
+
+def test_a_destination_the_exporter_never_sent_is_dropped_at_close():
+    producer = AdapterProducer(_AckingConn(), ack_timeout_s=5)
+    dest = weakref.ref(producer.bucket_for(6, torch.bfloat16, "cpu"))  # the export failed before sending it
+    gc.collect()
+    assert dest() is not None and dest().is_shared()  # the producer still holds it ...
+    producer.close()
+    gc.collect()
+    assert dest() is None  # ... until the close: its shared-memory segment goes with it
