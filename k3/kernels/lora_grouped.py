@@ -16,7 +16,10 @@ and writes one). Every operand is taken through its strides, so the transposes t
 
 Why kernels: torch's grouped GEMM runs these shapes far from bandwidth on the H200 (``[rows, 32] x [E, 32, 3072]``
 at 11 TFLOP/s, 0.28 ms, for ~0.05 ms of memory traffic; docs/PERFORMANCE.md). All three are memory-bound: one
-pass over the wide operand, the rank-r operand and the per-expert factor staying in L2.
+pass over the wide operand, the rank-r operand and the per-expert factor staying in L2. The floor they aim at, by
+bytes moved at K3's EP8 shapes (16,352 rows, latent 3584, width 3072, r 32, bf16): ~0.85 GB for the adapter's
+forward and ~1.2 GB for its backward, ~0.5 ms at the H200's measured 4.3 TB/s copy rate against the base's
+8.6 ms forward+backward, i.e. ~6% (an estimate from the shapes; what the kernels reach is for a lease to measure).
 
 Tiling. ``expand_add_`` and ``contract`` tile the rows by expert: a tile is ``BLOCK_M`` rows of one expert
 (the last tile of an expert is partial). The tile -> (expert, row start, row end) schedule is built on the device
