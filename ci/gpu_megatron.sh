@@ -6,6 +6,8 @@
 #   2. pytest -m gpu tests/parity/test_megatron_gpu.py  (megatron's own CUDA paths, without the CPU shim)
 #
 #   bash ci/gpu_megatron.sh            (run from anywhere; the repo root is found from this file)
+#   K3_GPU_MEGATRON_TRAIN_ARGS="--expert-lora-kernel triton --lora-transfer-buffer" bash ci/gpu_megatron.sh
+#                                      (extra `k3 train` flags for the loop, e.g. our opt-in paths)
 #
 # The wheels in .whl/ (megatron-core, fla; carried to the device) are installed into /tmp/site. Everything the
 # run prints goes to $OUT/gpu_megatron.log; $OUT/verdict.json is the harness's verdict and $OUT/metrics.jsonl the
@@ -74,7 +76,7 @@ step "k3 train --backend megatron (3 rollouts)" 180 $K3 train --mode normal --mo
     --backend megatron --num-gpus-per-node 1 --reward-model deterministic_random --num-rollout 3 \
     --rollout-batch-size 4 --n-samples-per-prompt 4 --global-batch-size 16 --rollout-max-response-len 16 \
     --lr 1e-3 --save-interval 3 --seed 0 --hf-checkpoint "$WORK/base" --ref-load "$WORK/dcp" \
-    --data-dir "$WORK/data" --run-dir "$RUN"
+    --data-dir "$WORK/data" --run-dir "$RUN" ${K3_GPU_MEGATRON_TRAIN_ARGS:-}
 TRAIN_RC=$?
 cp "$RUN/metrics.jsonl" "$OUT/metrics.jsonl" 2>/dev/null
 
