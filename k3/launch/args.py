@@ -51,7 +51,7 @@ BACKENDS = ("torch", "megatron")
 ROLLOUT_ENGINES = ("embedded", "sglang")
 PEAK_DEVICES = ("cpu", "gpu")
 OFFLOAD_ROLLOUT_LEVELS = ("kv_cache", "weight")
-EXPERT_LORA_KERNELS = ("torch", "triton")  # k3.kernels.lora_grouped.KERNEL_CHOICES (not imported: no torch here)
+EXPERT_LORA_KERNELS = ("torch", "triton")  # k3.kernels.lora_grouped.KERNEL_CHOICES; not imported: it loads torch and Triton
 ENV_PREFIX = "K3_"
 
 # The recipe's LoRA target set (§4.1), Megatron module names under `decoder.layers.*.`. Exactly these are

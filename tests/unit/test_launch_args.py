@@ -386,3 +386,11 @@ def test_help_lists_every_flag_with_default_and_variable():
     assert "--lora-rank N LoRA rank r (> 0) [default: 16; env K3_LORA_RANK]" in text
     assert "--lora-base-cpu-backup, --no-lora-base-cpu-backup" in text
     assert "[default: gpu; env K3_COLOCATE_MEMORY_PEAK_DEVICE]" in text
+
+
+def test_expert_lora_kernel_choices_are_the_kernel_modules():
+    """args.py keeps its own copy (it must not load torch and Triton just to parse flags): they may not drift."""
+    from k3.kernels.lora_grouped import KERNEL_CHOICES
+    from k3.launch.args import EXPERT_LORA_KERNELS
+
+    assert EXPERT_LORA_KERNELS == KERNEL_CHOICES
