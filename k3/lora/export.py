@@ -40,13 +40,13 @@ from k3.lora.apply import apply_lora, lora_modules
 from k3.lora.config import LoRAConfig, LoRAConfigError
 from k3.lora.experts import LoRALatentExperts
 from k3.lora.linear import LoRALinear
+from k3.transport.handoff import flat_views
 
 # ``out(numel, dtype, device)`` -> the 1-D tensor a chunk is written into (``export_chunks``' ``out``).
 ChunkAllocator = Callable[[int, torch.dtype, torch.device], torch.Tensor]
 
 __all__ = [
-    "AdapterChunk", "ChunkAllocator", "ChunkSpec", "ExportError", "chunk_layout", "export_chunks", "flat_views",
-    "load_chunk",
+    "AdapterChunk", "ChunkAllocator", "ChunkSpec", "ExportError", "chunk_layout", "export_chunks", "load_chunk",
     "load_adapter_tensors", "save_peft_adapter", "load_peft_adapter", "read_peft_adapter_config", "write_peft_adapter", "PEFT_PREFIX",
     "ADAPTER_CONFIG_NAME", "ADAPTER_WEIGHTS_NAME", "adapter_nbytes",
 ]
@@ -233,18 +233,6 @@ def export_chunks(
     _check_complete(layout, slots)
     config = lora.peft_config()
     return _stream(layout, slots, version, dtype, device, config, out)
-
-
-def flat_views(flat: torch.Tensor, shapes: Iterable[tuple[int, ...]]) -> list[torch.Tensor]:
-    """Consecutive views of the 1-D ``flat`` with ``shapes``, in order (``flat`` must hold exactly their sum)."""
-    views, at = [], 0
-    for shape in shapes:
-        n = math.prod(shape)
-        views.append(flat[at:at + n].view(shape))
-        at += n
-    if at != flat.numel():
-        raise ValueError(f"the chunk's tensors need {at} elements, its destination has {flat.numel()}")
-    return views
 
 
 def _stream(layout: list[ChunkSpec], slots: dict[str, _Slot], version: int, dtype: torch.dtype,

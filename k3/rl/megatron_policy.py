@@ -43,9 +43,10 @@ from k3.checkpoint.names import hf_lora_to_megatron, megatron_lora_to_hf
 from k3.config import K3Config
 from k3.lora.config import LoRAConfig, LoRAConfigError
 from k3.lora.export import (AdapterChunk, ChunkAllocator, ChunkSpec, ExportError, PEFT_PREFIX, chunk_layout,
-                            flat_views, read_peft_adapter_config, write_peft_adapter)
+                            read_peft_adapter_config, write_peft_adapter)
 from k3.rl.grpo import GRPOConfig, policy_loss
 from k3.rl.policy import Trajectory
+from k3.transport.handoff import flat_views, resolved_device
 
 __all__ = ["BACKEND", "MegatronPolicy", "build_megatron_policy"]
 
@@ -138,13 +139,6 @@ def _broadcast(tensors: list[tuple[str, torch.Tensor]], src: int, group) -> None
     keeps the chunk's last tensor alive in the suspended export generator)."""
     for _, t in tensors:
         dist.broadcast(t, src=src, group=group)
-
-
-def _resolved(device: torch.device | str) -> torch.device:
-    """``device`` with the current CUDA device's index where it names none (``cuda`` == ``cuda:0`` on rank 0)."""
-    device = torch.device(device)
-    return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and device.index is None \
-        else device
 
 
 def _export_buffer(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -376,7 +370,7 @@ class MegatronPolicy:
         pp = dist.get_world_size(plan.pp_group)
         comm = self._export_device
         made_on = comm if pp > 1 or device is None else torch.device(device)
-        moved = pp > 1 and device is not None and _resolved(device) != _resolved(comm)  # a copy after the broadcast
+        moved = pp > 1 and device is not None and resolved_device(device) != resolved_device(comm)  # copied after
         in_place = out is not None and not moved
 
         def stream() -> Iterator[AdapterChunk]:

@@ -47,7 +47,7 @@ import torch.multiprocessing as mp
 __all__ = [
     "ChunkHeader", "Ack", "TransferBuffer", "BufferSlice", "LocalBucket", "AdapterProducer", "AdapterReceiver",
     "spawn_receiver", "serve",
-    "flatten_into", "unflatten", "digest_tensors", "use_file_system_sharing",
+    "flatten_into", "flat_views", "unflatten", "resolved_device", "digest_tensors", "use_file_system_sharing",
     "HandoffError", "HandoffRejected", "HandoffTimeout",
 ]
 
@@ -125,16 +125,34 @@ def flatten_into(bucket: torch.Tensor, tensors: Sequence[torch.Tensor]) -> torch
     return prefix
 
 
-def unflatten(bucket: torch.Tensor, names: Sequence[str], shapes: Sequence[Sequence[int]]) -> list[tuple[str, torch.Tensor]]:
-    """Views of ``bucket`` cut into ``shapes`` (inverse of ``flatten_into``)."""
-    out, offset = [], 0
-    for name, shape in zip(names, shapes, strict=True):
+def flat_views(flat: torch.Tensor, shapes: Iterable[Sequence[int]]) -> list[torch.Tensor]:
+    """Consecutive views of the 1-D ``flat`` with ``shapes``, in order (``flat`` must hold exactly their sum): the
+    bucket layout, for a chunk written into its bucket (``export_chunks(..., out=)``) or read out of it."""
+    views, at = [], 0
+    for shape in shapes:
         n = math.prod(shape)
-        out.append((name, bucket[offset:offset + n].view(*shape)))
-        offset += n
-    if offset != bucket.numel():
-        raise ValueError(f"bucket has {bucket.numel()} elements, the header's shapes need {offset}")
-    return out
+        views.append(flat[at:at + n].view(*shape))
+        at += n
+    if at != flat.numel():
+        raise ValueError(f"the chunk's tensors need {at} elements, its destination has {flat.numel()}")
+    return views
+
+
+def unflatten(bucket: torch.Tensor, names: Sequence[str], shapes: Sequence[Sequence[int]]) -> list[tuple[str, torch.Tensor]]:
+    """``flat_views`` of ``bucket`` named by a received header (inverse of ``flatten_into``)."""
+    need = sum(math.prod(shape) for shape in shapes)
+    if need != bucket.numel():
+        raise ValueError(f"bucket has {bucket.numel()} elements, the header's shapes need {need}")
+    return list(zip(names, flat_views(bucket, shapes), strict=True))
+
+
+def resolved_device(device: torch.device | str) -> torch.device:
+    """``device`` with the current CUDA device's index where it names none: tensors report ``cuda:N``, and a bare
+    ``cuda`` must compare equal to theirs."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def digest_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> str:
@@ -172,9 +190,7 @@ class TransferBuffer:
     """
 
     def __init__(self, device: torch.device | str, dtype: torch.dtype = torch.bfloat16, initial_numel: int = 0) -> None:
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())  # compare equal to tensors' devices
+        self.device = resolved_device(device)
         self.dtype = dtype
         self.grows = 0
         self.generation = 0  # bumped by every allocation: the receiver must map each generation once
@@ -301,9 +317,7 @@ class AdapterProducer:
         """
         if self._closed:
             raise HandoffError("producer is closed")
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = resolved_device(device)
         self._handed_out = None
         if self.transfer_buffer is None:
             out = torch.empty(numel, dtype=dtype, device=device)

@@ -22,10 +22,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from k3.lora.export import AdapterChunk, flat_views
+from k3.lora.export import AdapterChunk
 from k3.rl.loop import STATE_NAME, TrainingError, latest_checkpoint, load_checkpoint_state
 from k3.transport.handoff import (AdapterProducer, AdapterReceiver, HandoffError, HandoffRejected, HandoffTimeout,
-                                  TransferBuffer, digest_tensors, serve, spawn_receiver)
+                                  TransferBuffer, digest_tensors, flat_views, serve, spawn_receiver)
 
 pytestmark = pytest.mark.timeout(60)
 

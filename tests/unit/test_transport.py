@@ -18,12 +18,12 @@ import torch.multiprocessing as mp
 
 from k3.config import variant
 from k3.lora import LoRAConfig, apply_lora
-from k3.lora.export import AdapterChunk, chunk_layout, export_chunks, flat_views
+from k3.lora.export import AdapterChunk, chunk_layout, export_chunks
 from k3.model import KimiK3ForCausalLM
 from k3.transport import handoff
 from k3.transport.handoff import (Ack, AdapterProducer, AdapterReceiver, ChunkHeader, HandoffError, HandoffRejected,
-                                  HandoffTimeout, TransferBuffer, digest_tensors, flatten_into, spawn_receiver,
-                                  unflatten)
+                                  HandoffTimeout, TransferBuffer, digest_tensors, flat_views, flatten_into,
+                                  spawn_receiver, unflatten)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -640,7 +640,8 @@ def test_export_into_given_tensors_equals_the_plain_export_bit_for_bit():
     placed = list(export_chunks(m, 3, out=out))
     assert len(flats) == len(plain) == len(placed)
     for p, q, flat in zip(plain, placed, flats):
-        assert p.names == q.names and (p.is_first, p.is_last, p.group, p.layer) == (q.is_first, q.is_last, q.group, q.layer)
+        assert p.names == q.names
+        assert (p.is_first, p.is_last, p.group, p.layer) == (q.is_first, q.is_last, q.group, q.layer)
         for (_, a), (_, b) in zip(p.tensors, q.tensors):
             assert a.dtype == b.dtype == torch.bfloat16 and torch.equal(a, b)
         at = flat.data_ptr()
