@@ -59,14 +59,14 @@ from k3.kernels.grouped_mm import grouped_mm, grouped_mm_reference, grouped_weig
 
 __all__ = ["DEFAULT_BLOCKS", "KERNEL_CHOICES", "MAX_RANK", "check_kernel_choice", "contract", "contract_reference",
            "cpu_interpreter_problem", "expand_add_", "expand_add_reference", "kernels_run", "lora_down", "lora_fc1",
-           "lora_gate_up", "tile_schedule", "triton_available", "triton_runs_on", "weight_grad",
-           "weight_grad_reference"]
+           "lora_gate_up", "RowTiles", "row_tiles", "tile_schedule", "tile_schedule_reference", "triton_available",
+           "triton_runs_on", "weight_grad", "weight_grad_reference"]
 
 # Tile sizes per kernel (powers of two; the rank-r dimension is never tiled). First guesses, not measured yet.
 DEFAULT_BLOCKS = {
-    "expand": {"block_m": 64, "block_n": 128, "num_warps": 4},
-    "contract": {"block_m": 64, "block_k": 128, "num_warps": 4},
-    "weight_grad": {"block_m": 64, "block_wide": 128, "num_warps": 4},
+    "expand": {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 3},
+    "contract": {"block_m": 64, "block_k": 128, "num_warps": 4, "num_stages": 3},
+    "weight_grad": {"block_m": 64, "block_wide": 128, "num_warps": 4, "num_stages": 3},
 }
 MAX_RANK = 256  # the rank-r dimension is one register block: beyond this it would spill
 _MIN_DOT = 16  # tl.dot's smallest M/N/K
@@ -96,12 +96,17 @@ if triton is not None:
         return tl.dot(a, b, acc)
 
     @triton.jit
-    def _expand_add_kernel(out_ptr, xa_ptr, b_ptr, sched_ptr, n_tiles, N, R,
+    def _expand_add_kernel(out_ptr, xa_ptr, b_ptr, pair_out, pair_xa, pair_b, sched_ptr, n_tiles, N, R,
                            stride_om, stride_on, stride_xm, stride_xr, stride_be, stride_bn, stride_br,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                            IEEE: tl.constexpr, UPCAST: tl.constexpr):
         # One program: BLOCK_M rows of one expert x BLOCK_N output columns. Columns vary fastest over the
         # program ids, so the programs in flight together read the same xa tile and the same B_e from L2.
+        # Grid axis 1 picks the call of a pair: its tensors sit pair_* elements from the first call's.
+        pair = tl.program_id(1).to(tl.int64)
+        out_ptr += pair * pair_out
+        xa_ptr += pair * pair_xa
+        b_ptr += pair * pair_b
         pid = tl.program_id(0)
         n_blocks = tl.cdiv(N, BLOCK_N)
         tile, col_block = pid // n_blocks, pid % n_blocks
@@ -126,11 +131,15 @@ if triton is not None:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _contract_kernel(h_ptr, a_ptr, out_ptr, sched_ptr, n_tiles, K, R, scale,
+    def _contract_kernel(h_ptr, a_ptr, out_ptr, pair_h, pair_a, pair_out, sched_ptr, n_tiles, K, R, scale,
                          stride_hm, stride_hk, stride_ae, stride_ar, stride_ak, stride_om, stride_or,
                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
                          IEEE: tl.constexpr, UPCAST: tl.constexpr):
-        # One program: BLOCK_M rows of one expert, all r output columns, K in steps of BLOCK_K.
+        # One program: BLOCK_M rows of one expert, all r output columns, K in steps of BLOCK_K; axis 1: the pair.
+        pair = tl.program_id(1).to(tl.int64)
+        h_ptr += pair * pair_h
+        a_ptr += pair * pair_a
+        out_ptr += pair * pair_out
         tile = tl.program_id(0)
         expert = tl.load(sched_ptr + tile)
         if expert < 0:
@@ -156,12 +165,45 @@ if triton is not None:
                  mask=row_ok[:, None] & j_ok[None, :])
 
     @triton.jit
-    def _weight_grad_kernel(a_ptr, b_ptr, out_ptr, offs_ptr, P, Q,
+    def _schedule_kernel(counts_ptr, sched_ptr, offs_ptr, E, n_tiles,
+                         BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
+        # BLOCK_T tiles of the row-tile schedule per program (tile_schedule_reference's math; torch's ops for the
+        # same are ~20 launches); program 0 also writes the row offsets. Every program redoes the E-long prefix
+        # sums: cheaper than a second launch. int32 throughout (rows < 2^31); experts past E are padding with no
+        # rows and no tiles. The [BLOCK_T, BLOCK_E] one-hot blocks stay small: wide ones spill registers.
+        e = tl.arange(0, BLOCK_E)
+        e_ok = e < E
+        c = tl.load(counts_ptr + e, mask=e_ok, other=0).to(tl.int32)
+        ends = tl.cumsum(c, 0)
+        starts = ends - c
+        tiles = (c + BLOCK_M - 1) // BLOCK_M
+        tile_end = tl.cumsum(tiles, 0)
+        tile_start = tile_end - tiles
+        if tl.program_id(0) == 0:
+            tl.store(offs_ptr + e, starts, mask=e_ok)
+            tl.store(offs_ptr + E, tl.sum(c, 0))
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        # the first expert whose tiles end after t: how many end at or before it
+        expert = tl.sum((tile_end[None, :] <= t[:, None]).to(tl.int32), 1)
+        pick = e[None, :] == tl.minimum(expert, E - 1)[:, None]  # one-hot gather of that expert's values
+        row_start = tl.sum(tl.where(pick, starts[None, :] - tile_start[None, :] * BLOCK_M, 0), 1) + t * BLOCK_M
+        row_end = tl.minimum(tl.sum(tl.where(pick, ends[None, :], 0), 1), row_start + BLOCK_M)
+        t_ok = t < n_tiles
+        tl.store(sched_ptr + t, tl.where(expert < E, expert, -1), mask=t_ok)
+        tl.store(sched_ptr + n_tiles + t, row_start, mask=t_ok)
+        tl.store(sched_ptr + 2 * n_tiles + t, row_end, mask=t_ok)
+
+    @triton.jit
+    def _weight_grad_kernel(a_ptr, b_ptr, out_ptr, pair_a, pair_b, pair_out, offs_ptr, P, Q,
                             stride_am, stride_ap, stride_bm, stride_bq, stride_oe, stride_op, stride_oq,
                             BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr,
                             IEEE: tl.constexpr, UPCAST: tl.constexpr):
         # One program: one [BLOCK_P, BLOCK_Q] block of W[e] = a_eᵀ b_e, summed over the expert's rows. The
-        # blocks of one expert are consecutive program ids, so they share its rows in L2.
+        # blocks of one expert are consecutive program ids, so they share its rows in L2. Axis 1: the pair.
+        pair = tl.program_id(1).to(tl.int64)
+        a_ptr += pair * pair_a
+        b_ptr += pair * pair_b
+        out_ptr += pair * pair_out
         pid = tl.program_id(0)
         n_p, n_q = tl.cdiv(P, BLOCK_P), tl.cdiv(Q, BLOCK_Q)
         expert = pid // (n_p * n_q)
@@ -312,8 +354,16 @@ def tile_schedule(counts: torch.Tensor, rows: int, block_m: int) -> torch.Tensor
     Returns:
         ``[3, T]`` int32, ``T = cdiv(rows, block_m) + E`` (an upper bound on ``Σ_e cdiv(counts[e], block_m)``):
         per tile its expert, first row and end row (exclusive); expert ``-1`` marks the tiles past the last
-        real one. Experts without rows get no tile.
+        real one. Experts without rows get no tile. One Triton launch where the kernels run on ``counts``' device
+        (``row_tiles``), else ``tile_schedule_reference``.
     """
+    if triton_runs_on(counts.device):
+        return row_tiles(counts, rows, block_m)[0]
+    return tile_schedule_reference(counts, rows, block_m)
+
+
+def tile_schedule_reference(counts: torch.Tensor, rows: int, block_m: int) -> torch.Tensor:
+    """``tile_schedule`` in torch ops (about 20 launches on CUDA): the plain reference of ``_schedule_kernel``."""
     E = counts.shape[0]
     c = counts.to(torch.int64)
     ends = c.cumsum(0)
@@ -328,6 +378,30 @@ def tile_schedule(counts: torch.Tensor, rows: int, block_m: int) -> torch.Tensor
     row_end = torch.minimum(ends[e], row_start + block_m)
     expert = torch.where(expert < E, expert, -1)
     return torch.stack([expert, row_start, row_end]).to(torch.int32)
+
+
+def _schedule_block_t(block_e: int) -> int:
+    """Tiles per program of the schedule kernel: [BLOCK_T, BLOCK_E] one-hot blocks of at most 2048 entries."""
+    return max(2, min(16, 2048 // block_e))
+
+
+def row_tiles(counts: torch.Tensor, rows: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tile_schedule(counts, rows, block_m), offsets)`` from one Triton launch (offsets: ``_offsets(counts)``).
+
+    Needs the kernels to run on ``counts``' device; ``counts`` is ``[E]`` integer, ``E <= 4096`` (one block), with
+    fewer than 2^31 rows.
+    """
+    E = counts.shape[0]
+    if E > 4096:
+        raise ValueError(f"row_tiles: {E} experts: the schedule kernel holds them in one block (<= 4096)")
+    n_tiles = -(-rows // block_m) + E
+    sched = torch.empty(3, n_tiles, dtype=torch.int32, device=counts.device)
+    offsets = torch.empty(E + 1, dtype=torch.int32, device=counts.device)
+    block_e = _pow2_block(E)
+    block_t = _schedule_block_t(block_e)
+    _schedule_kernel[(triton.cdiv(n_tiles, block_t),)](counts, sched, offsets, E, n_tiles, BLOCK_M=block_m,
+                                                      BLOCK_E=block_e, BLOCK_T=block_t)
+    return sched, offsets
 
 
 def _schedule_for(name: str, schedule: torch.Tensor | None, counts: torch.Tensor, rows: int,
@@ -348,23 +422,50 @@ def _offsets(counts: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------ kernels
-def expand_add_(out: torch.Tensor, xa: torch.Tensor, B: torch.Tensor, counts: torch.Tensor, *,
+Pair = tuple[torch.Tensor, torch.Tensor]  # two calls' operands of one shape and strides: one launch for both
+
+
+def _pairs(name: str, **operands: torch.Tensor | Pair) -> tuple[dict[str, torch.Tensor], list[int], int]:
+    """Operands given as tensors (one call) or all as pairs (two calls, one launch): the first call's tensors,
+    each second tensor's offset from its first in elements (zeros for one call), and the number of calls."""
+    paired = {k: isinstance(v, (tuple, list)) for k, v in operands.items()}
+    if not any(paired.values()):
+        return dict(operands), [0] * len(operands), 1
+    if not all(paired.values()) or any(len(v) != 2 for v in operands.values()):
+        raise ValueError(f"{name}: {', '.join(operands)}: give each a tensor (one call) or each a pair (two calls)")
+    firsts, offsets = {}, []
+    for k, (t1, t2) in operands.items():
+        if t1.shape != t2.shape or t1.stride() != t2.stride() or t1.dtype != t2.dtype or t1.device != t2.device:
+            raise ValueError(f"{name}: {k} pair {tuple(t1.shape)}/{tuple(t2.shape)}, strides {t1.stride()}/"
+                             f"{t2.stride()}, {t1.dtype}/{t2.dtype}: a pair needs one shape, strides, dtype, device")
+        firsts[k] = t1
+        offsets.append((t2.data_ptr() - t1.data_ptr()) // t1.element_size())  # same dtype: always divisible
+    return firsts, offsets, 2
+
+
+def expand_add_(out: torch.Tensor | Pair, xa: torch.Tensor | Pair, B: torch.Tensor | Pair, counts: torch.Tensor, *,
                 schedule: torch.Tensor | None = None, block_m: int | None = None, block_n: int | None = None,
-                num_warps: int | None = None) -> torch.Tensor:
+                num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor | Pair:
     """``out[i] += xa[i] @ B[e(i)]ᵀ`` in place, for expert-sorted rows: the LoRA up-projection with its add.
 
     Args:
         out: ``[rows, N]`` (any strides), updated in place.
         xa: ``[rows, r]`` (any strides; a column slice is fine), the rank-r rows (scale already applied).
         B: ``[E, N, r]`` (any strides: ``A.transpose(1, 2)`` of an ``[E, r, N]`` factor is fine).
+            ``out``, ``xa`` and ``B`` may each be a pair (gate and up, say): two calls in one launch, each pair's
+            tensors of one shape and strides.
         counts: ``[E]`` integer rows per expert, on ``out``'s device, summing to rows (checked on the CPU only).
         schedule: ``tile_schedule(counts, rows, block_m)``, to share one between calls.
-        block_m, block_n, num_warps: the tile (powers of two; block_m, block_n >= 16); None: ``DEFAULT_BLOCKS``.
+        block_m, block_n, num_warps, num_stages: the tile (powers of two; block_m, block_n >= 16) and Triton's
+            launch options; None: ``DEFAULT_BLOCKS``.
 
     Returns:
         ``out``. Same dtype for all three (fp32 accumulation).
     """
     name = "expand_add_"
+    given = out
+    t, pair_offsets, calls = _pairs(name, out=out, xa=xa, B=B)
+    out, xa, B = t["out"], t["xa"], t["B"]
     if out.dim() != 2 or xa.dim() != 2 or B.dim() != 3 or out.shape[0] != xa.shape[0] \
             or B.shape[1] != out.shape[1] or B.shape[2] != xa.shape[1]:
         raise ValueError(f"{name}: out {tuple(out.shape)}, xa {tuple(xa.shape)}, B {tuple(B.shape)}: expected "
@@ -373,18 +474,20 @@ def expand_add_(out: torch.Tensor, xa: torch.Tensor, B: torch.Tensor, counts: to
     _check_rank(name, xa.shape[1])
     _check_counts(name, counts, B.shape[0], out.shape[0])
     _require_triton(name, out, xa, B, counts)
-    block_m, block_n, num_warps = _blocks("expand", block_m=block_m, block_n=block_n, num_warps=num_warps)
+    block_m, block_n, num_warps, num_stages = _blocks("expand", block_m=block_m, block_n=block_n,
+                                                      num_warps=num_warps, num_stages=num_stages)
     _check_block(name, block_m=block_m, block_n=block_n)
     rows, N = out.shape
     if rows == 0 or N == 0:
-        return out
+        return given
     schedule = _schedule_for(name, schedule, counts, rows, block_m)
     n_tiles = schedule.shape[1]
-    grid = (n_tiles * triton.cdiv(N, block_n),)
-    _expand_add_kernel[grid](out, xa, B, schedule, n_tiles, N, xa.shape[1], *out.stride(), *xa.stride(),
-                             *B.stride(), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=_pow2_block(xa.shape[1]),
-                             **_flags(dtype), num_warps=num_warps)
-    return out
+    grid = (n_tiles * triton.cdiv(N, block_n), calls)
+    _expand_add_kernel[grid](out, xa, B, *pair_offsets, schedule, n_tiles, N, xa.shape[1], *out.stride(),
+                             *xa.stride(), *B.stride(), BLOCK_M=block_m, BLOCK_N=block_n,
+                             BLOCK_R=_pow2_block(xa.shape[1]), **_flags(dtype), num_warps=num_warps,
+                             num_stages=num_stages)
+    return given
 
 
 def expand_add_reference(out: torch.Tensor, xa: torch.Tensor, B: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -392,9 +495,10 @@ def expand_add_reference(out: torch.Tensor, xa: torch.Tensor, B: torch.Tensor, c
     return out + grouped_mm_reference(xa, B, counts)
 
 
-def contract(h: torch.Tensor, A: torch.Tensor, counts: torch.Tensor, scale: float = 1.0, *,
-             out: torch.Tensor | None = None, schedule: torch.Tensor | None = None, block_m: int | None = None,
-             block_k: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+def contract(h: torch.Tensor | Pair, A: torch.Tensor | Pair, counts: torch.Tensor, scale: float = 1.0, *,
+             out: torch.Tensor | Pair | None = None, schedule: torch.Tensor | None = None, block_m: int | None = None,
+             block_k: int | None = None, num_warps: int | None = None,
+             num_stages: int | None = None) -> torch.Tensor | Pair:
     """``scale · h[i] @ A[e(i)]ᵀ`` for expert-sorted rows: the per-expert LoRA down-projection to rank r.
 
     Args:
@@ -402,38 +506,57 @@ def contract(h: torch.Tensor, A: torch.Tensor, counts: torch.Tensor, scale: floa
         A: ``[E, r, K]`` (any strides: ``B.transpose(1, 2)`` of an ``[E, K, r]`` factor is fine).
         counts: ``[E]`` integer rows per expert, on ``h``'s device, summing to rows (checked on the CPU only).
         scale: multiplies the result (fp32, before the output rounding).
-        out: ``[rows, r]`` to write into (any strides, e.g. a column slice); a new tensor when None.
+        out: ``[rows, r]`` to write into (any strides, e.g. a column slice); a new tensor when None. ``h``, ``A``
+            and ``out`` may each be a pair (two calls in one launch; ``out`` then given as a pair too).
         schedule: ``tile_schedule(counts, rows, block_m)``, to share one between calls.
-        block_m, block_k, num_warps: the tile (powers of two; block_m, block_k >= 16); None: ``DEFAULT_BLOCKS``.
+        block_m, block_k, num_warps, num_stages: the tile (powers of two; block_m, block_k >= 16) and Triton's
+            launch options; None: ``DEFAULT_BLOCKS``.
 
     Returns:
-        ``[rows, r]`` in ``h``'s dtype (fp32 accumulation).
+        ``[rows, r]`` in ``h``'s dtype (fp32 accumulation), or the pair ``out``.
     """
     name = "contract"
-    if h.dim() != 2 or A.dim() != 3 or A.shape[2] != h.shape[1]:
+    if isinstance(h, (tuple, list)) and out is None:
+        raise ValueError(f"{name}: a pair of calls writes into a given pair of outputs (out=)")
+    h0, A0 = (h[0], A[0]) if isinstance(h, (tuple, list)) and isinstance(A, (tuple, list)) else (h, A)
+    if not isinstance(h0, torch.Tensor) or not isinstance(A0, torch.Tensor) or h0.dim() != 2 or A0.dim() != 3 \
+            or A0.shape[2] != h0.shape[1]:
+        raise ValueError(f"{name}: h {_shape(h)}, A {_shape(A)}: expected h [rows, K], A [E, r, K]")
+    if out is None:
+        out = h0.new_empty(h0.shape[0], A0.shape[1])
+    given = out
+    t, pair_offsets, calls = _pairs(name, h=h, A=A, out=out)
+    h, A, out = t["h"], t["A"], t["out"]
+    if A.shape[2] != h.shape[1]:
         raise ValueError(f"{name}: h {tuple(h.shape)}, A {tuple(A.shape)}: expected h [rows, K], A [E, r, K]")
     rows, K = h.shape
     r = A.shape[1]
-    if out is None:
-        out = h.new_empty(rows, r)
-    elif tuple(out.shape) != (rows, r):
+    if tuple(out.shape) != (rows, r):
         raise ValueError(f"{name}: out {tuple(out.shape)}: expected [rows, r] = [{rows}, {r}]")
     dtype = _check_dtypes(name, h=h, A=A, out=out)
     _check_rank(name, r)
     _check_counts(name, counts, A.shape[0], rows)
     _require_triton(name, h, A, out, counts)
-    block_m, block_k, num_warps = _blocks("contract", block_m=block_m, block_k=block_k, num_warps=num_warps)
+    block_m, block_k, num_warps, num_stages = _blocks("contract", block_m=block_m, block_k=block_k,
+                                                      num_warps=num_warps, num_stages=num_stages)
     _check_block(name, block_m=block_m, block_k=block_k)
     if rows == 0:
-        return out
+        return given
     if K == 0:
-        return out.zero_()
+        for o in (given if calls == 2 else (given,)):
+            o.zero_()
+        return given
     schedule = _schedule_for(name, schedule, counts, rows, block_m)
     n_tiles = schedule.shape[1]
-    _contract_kernel[(n_tiles,)](h, A, out, schedule, n_tiles, K, r, float(scale), *h.stride(), *A.stride(),
-                                 *out.stride(), BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=_pow2_block(r),
-                                 **_flags(dtype), num_warps=num_warps)
-    return out
+    _contract_kernel[(n_tiles, calls)](h, A, out, *pair_offsets, schedule, n_tiles, K, r, float(scale), *h.stride(),
+                                       *A.stride(), *out.stride(), BLOCK_M=block_m, BLOCK_K=block_k,
+                                       BLOCK_R=_pow2_block(r), **_flags(dtype), num_warps=num_warps,
+                                       num_stages=num_stages)
+    return given
+
+
+def _shape(t: torch.Tensor | Pair) -> object:
+    return tuple(t.shape) if isinstance(t, torch.Tensor) else [tuple(x.shape) for x in t]
 
 
 def contract_reference(h: torch.Tensor, A: torch.Tensor, counts: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
@@ -441,24 +564,28 @@ def contract_reference(h: torch.Tensor, A: torch.Tensor, counts: torch.Tensor, s
     return grouped_mm_reference(h, A, counts) * scale
 
 
-def weight_grad(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor, *,
-                block_m: int | None = None, block_wide: int | None = None,
-                num_warps: int | None = None) -> torch.Tensor:
+def weight_grad(a: torch.Tensor | Pair, b: torch.Tensor | Pair, counts: torch.Tensor, *,
+                offsets: torch.Tensor | None = None, block_m: int | None = None, block_wide: int | None = None,
+                num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor | Pair:
     """Per-expert ``a_eᵀ b_e`` of expert-sorted rows: a LoRA factor's gradient, grouped along the rows.
 
     ``dB[e] = weight_grad(dgate, xa)`` (``[E, N, r]``), ``dA[e] = weight_grad(dha, h)`` (``[E, r, K]``).
 
     Args:
-        a: ``[rows, P]``, b: ``[rows, Q]`` (any strides), the same rows, sorted by expert.
+        a: ``[rows, P]``, b: ``[rows, Q]`` (any strides), the same rows, sorted by expert; or both pairs (two
+            calls in one launch, each pair's tensors of one shape and strides).
         counts: ``[E]`` integer rows per expert, on ``a``'s device, summing to rows (checked on the CPU only).
+        offsets: ``[E + 1]`` int32 ``[0, cumsum(counts)]`` (``row_tiles``' second output), to share one.
         block_m: rows per reduction step; block_wide: the output tile along P or Q where it is wider than 64
-            (a dimension up to 64 is one block); num_warps (powers of two; block_m, block_wide >= 16); None:
-            ``DEFAULT_BLOCKS``.
+            (a dimension up to 64 is one block); num_warps, num_stages: Triton's launch options (block_m and
+            block_wide powers of two >= 16); None: ``DEFAULT_BLOCKS``.
 
     Returns:
-        ``[E, P, Q]`` in ``a``'s dtype (fp32 accumulation); zeros for an expert without rows.
+        ``[E, P, Q]`` in ``a``'s dtype (fp32 accumulation), zeros for an expert without rows; a pair for pairs.
     """
     name = "weight_grad"
+    t, pair_offsets, calls = _pairs(name, a=a, b=b)
+    a, b = t["a"], t["b"]
     if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[0]:
         raise ValueError(f"{name}: a {tuple(a.shape)}, b {tuple(b.shape)}: expected [rows, P] and [rows, Q] with "
                          "the same rows")
@@ -468,19 +595,26 @@ def weight_grad(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor, *,
     E = counts.shape[0] if counts.dim() == 1 else -1
     _check_counts(name, counts, E, rows)
     _require_triton(name, a, b, counts)
-    block_m, block_wide, num_warps = _blocks("weight_grad", block_m=block_m, block_wide=block_wide,
-                                             num_warps=num_warps)
+    block_m, block_wide, num_warps, num_stages = _blocks("weight_grad", block_m=block_m, block_wide=block_wide,
+                                                         num_warps=num_warps, num_stages=num_stages)
     _check_block(name, block_m=block_m, block_wide=block_wide)
-    out = a.new_empty(E, P, Q)
-    if out.numel() == 0:
-        return out
+    both = a.new_empty(calls, E, P, Q)  # one allocation: the pair's outputs sit E·P·Q elements apart
+    outs = tuple(both.unbind(0))
+    if both.numel() == 0:
+        return outs if calls == 2 else outs[0]
+    if offsets is None:
+        offsets = _offsets(counts)
+    elif tuple(offsets.shape) != (E + 1,) or offsets.dtype != torch.int32 or offsets.device != counts.device:
+        raise ValueError(f"{name}: offsets {tuple(offsets.shape)} {offsets.dtype} on {offsets.device}: expected "
+                         f"[E + 1] = [{E + 1}] int32 on {counts.device}")
     block_p = _pow2_block(P) if P <= 64 else block_wide
     block_q = _pow2_block(Q) if Q <= 64 else block_wide
-    grid = (E * triton.cdiv(P, block_p) * triton.cdiv(Q, block_q),)
-    _weight_grad_kernel[grid](a, b, out, _offsets(counts), P, Q, *a.stride(), *b.stride(), *out.stride(),
-                              BLOCK_M=block_m, BLOCK_P=block_p, BLOCK_Q=block_q, **_flags(dtype),
-                              num_warps=num_warps)
-    return out
+    out = outs[0]
+    grid = (E * triton.cdiv(P, block_p) * triton.cdiv(Q, block_q), calls)
+    _weight_grad_kernel[grid](a, b, out, *pair_offsets, out.numel(), offsets, P, Q, *a.stride(), *b.stride(),
+                              *out.stride(), BLOCK_M=block_m, BLOCK_P=block_p, BLOCK_Q=block_q, **_flags(dtype),
+                              num_warps=num_warps, num_stages=num_stages)
+    return outs if calls == 2 else outs[0]
 
 
 def weight_grad_reference(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -495,45 +629,66 @@ def weight_grad_reference(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor
 # adapter's input gradient into the base's in place, one pass each instead of a product written and then added.
 # The in-place adds touch only tensors created inside the Function, so no ``ctx.mark_dirty`` is involved and
 # autograd's view of every input is unchanged.
-class _Schedules:
-    """The tile schedules of one counts tensor, built on first use per ``block_m`` (forward and backward share)."""
+class RowTiles:
+    """The row tiles of one ``counts`` tensor for every kernel's ``block_m`` (built on first use, one Triton launch
+    each) and the row offsets ``weight_grad`` takes (from the same launch). One serves the forward and backward of
+    a layer's gate/up and down: ``LoRALatentExperts`` passes one to ``lora_gate_up`` and ``lora_down``.
+
+    Args:
+        counts: ``[E]`` integer rows per expert, on the rows' device.
+        rows: the number of expert-sorted rows (a host int).
+    """
 
     def __init__(self, counts: torch.Tensor, rows: int) -> None:
         self.counts, self.rows, self._by_block = counts, rows, {}
 
-    def get(self, kernel: str) -> torch.Tensor:
-        block_m = DEFAULT_BLOCKS[kernel]["block_m"]
+    def _build(self, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
         if block_m not in self._by_block:
-            self._by_block[block_m] = tile_schedule(self.counts, self.rows, block_m)
+            self._by_block[block_m] = row_tiles(self.counts, self.rows, block_m)
         return self._by_block[block_m]
+
+    def get(self, kernel: str) -> torch.Tensor:
+        """The schedule for ``kernel``'s current ``DEFAULT_BLOCKS`` tile."""
+        return self._build(DEFAULT_BLOCKS[kernel]["block_m"])[0]
+
+    @property
+    def offsets(self) -> torch.Tensor:
+        """``[E + 1]`` int32 ``[0, cumsum(counts)]``."""
+        return self._build(next(iter(self._by_block), DEFAULT_BLOCKS["expand"]["block_m"]))[1]
+
+    def check(self, name: str, counts: torch.Tensor, rows: int) -> None:
+        if rows != self.rows or counts.shape != self.counts.shape or counts.device != self.counts.device:
+            raise ValueError(f"{name}: tiles built for {self.rows} rows and counts {tuple(self.counts.shape)} on "
+                             f"{self.counts.device}, given {rows} rows and counts {tuple(counts.shape)} on "
+                             f"{counts.device}: build RowTiles(counts, rows) for these rows")
 
 
 class _GateUpLoRA(torch.autograd.Function):
     """Gate and up with shared-A LoRA. ``w3`` None: ``w1`` is megatron's fc1 weight ``[E, 2F, Lt]`` (gate rows,
     then up rows) and the output one ``[rows, 2F]`` tensor whose halves the kernels update as column views; else
-    ``w1``/``w3`` are ``[E, F, Lt]`` each and the output ``(gate, up)``."""
+    ``w1``/``w3`` are ``[E, F, Lt]`` each and the output ``(gate, up)``. Gate and up run as pairs: one launch each
+    for their two adds, their two input-gradient products and their two factor gradients."""
 
     @staticmethod
-    def forward(ctx, x, A, B1, B3, w1, w3, counts, scale):
+    def forward(ctx, x, A, B1, B3, w1, w3, counts, scale, tiles):
         r, F_ = B1.shape[2], B1.shape[1]
-        xa = (x @ A.T).mul_(scale)  # [rows, 2r]: the scale on the narrow product
-        sched = _Schedules(counts, x.shape[0])
+        # The base GEMMs first: the device starts on them while the host launches the adapter's small kernels.
         if w3 is None:
             out = grouped_mm(x, w1, counts)  # [rows, 2F]: one base GEMM for both halves
             gate, up = out[:, :F_], out[:, F_:]
         else:
             gate, up = grouped_mm(x, w1, counts), grouped_mm(x, w3, counts)
-        expand_add_(gate, xa[:, :r], B1, counts, schedule=sched.get("expand"))
-        expand_add_(up, xa[:, r:], B3, counts, schedule=sched.get("expand"))
+        xa = (x @ A.T).mul_(scale)  # [rows, 2r]: the scale on the narrow product
+        expand_add_((gate, up), (xa[:, :r], xa[:, r:]), (B1, B3), counts, schedule=tiles.get("expand"))
         ctx.save_for_backward(x, xa, A, B1, B3, w1, w3, counts)
-        ctx.scale, ctx.sched = scale, sched
+        ctx.scale, ctx.tiles = scale, tiles
         return out if w3 is None else (gate, up)
 
     @staticmethod
     def backward(ctx, *grads):
         x, xa, A, B1, B3, w1, w3, counts = ctx.saved_tensors
         need_x, need_A, need_B1, need_B3 = ctx.needs_input_grad[:4]
-        r, F_, s, sched = B1.shape[2], B1.shape[1], ctx.scale, ctx.sched
+        r, F_, s, tiles = B1.shape[2], B1.shape[1], ctx.scale, ctx.tiles
         # contiguous: torch's grouped GEMM rejects stride-0 gradients (an expanded ones_like, say)
         if w3 is None:
             dout = grads[0].contiguous()
@@ -543,8 +698,8 @@ class _GateUpLoRA(torch.autograd.Function):
         dx = dA = dB1 = dB3 = None
         if need_x or need_A:
             dxa = xa.new_empty(xa.shape)  # d(x Aᵀ) = s · [dgate B1_e | dup B3_e], [rows, 2r]
-            contract(dgate, B1.transpose(1, 2), counts, s, out=dxa[:, :r], schedule=sched.get("contract"))
-            contract(dup, B3.transpose(1, 2), counts, s, out=dxa[:, r:], schedule=sched.get("contract"))
+            contract((dgate, dup), (B1.transpose(1, 2), B3.transpose(1, 2)), counts, s,
+                     out=(dxa[:, :r], dxa[:, r:]), schedule=tiles.get("contract"))
             if need_x:
                 if w3 is None:
                     dx = grouped_mm(dout, w1.transpose(1, 2), counts)
@@ -554,22 +709,23 @@ class _GateUpLoRA(torch.autograd.Function):
                 dx.addmm_(dxa, A)
             if need_A:
                 dA = dxa.T @ x
-        if need_B1:
-            dB1 = weight_grad(dgate, xa[:, :r], counts)
-        if need_B3:
-            dB3 = weight_grad(dup, xa[:, r:], counts)
-        return dx, dA, dB1, dB3, None, None, None, None
+        if need_B1 and need_B3:
+            dB1, dB3 = weight_grad((dgate, dup), (xa[:, :r], xa[:, r:]), counts, offsets=tiles.offsets)
+        elif need_B1:
+            dB1 = weight_grad(dgate, xa[:, :r], counts, offsets=tiles.offsets)
+        elif need_B3:
+            dB3 = weight_grad(dup, xa[:, r:], counts, offsets=tiles.offsets)
+        return dx, dA, dB1, dB3, None, None, None, None, None
 
 
 class _DownLoRA(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, A2, B2, w2, counts, scale):
-        sched = _Schedules(counts, h.shape[0])
+    def forward(ctx, h, A2, B2, w2, counts, scale, tiles):
         out = grouped_mm(h, w2, counts)  # [rows, Lt]
-        ha = contract(h, A2, counts, schedule=sched.get("contract"))  # [rows, r]
+        ha = contract(h, A2, counts, schedule=tiles.get("contract"))  # [rows, r]
         out.addmm_(ha, B2.T, alpha=scale)  # the shared B: an ordinary GEMM, added in place
         ctx.save_for_backward(h, ha, A2, B2, w2, counts)
-        ctx.scale, ctx.sched = scale, sched
+        ctx.scale, ctx.tiles = scale, tiles
         return out
 
     @staticmethod
@@ -582,12 +738,19 @@ class _DownLoRA(torch.autograd.Function):
         dha = (dout @ B2).mul_(s) if need_h or need_A2 else None  # [rows, r]
         if need_h:
             dh = grouped_mm(dout, w2.transpose(1, 2), counts)
-            expand_add_(dh, dha, A2.transpose(1, 2), counts, schedule=ctx.sched.get("expand"))
+            expand_add_(dh, dha, A2.transpose(1, 2), counts, schedule=ctx.tiles.get("expand"))
         if need_A2:
-            dA2 = weight_grad(dha, h, counts)  # [E, r, F]
+            dA2 = weight_grad(dha, h, counts, offsets=ctx.tiles.offsets)  # [E, r, F]
         if need_B2:
             dB2 = (dout.T @ ha).mul_(s)  # [Lt, r]
-        return dh, dA2, dB2, None, None, None
+        return dh, dA2, dB2, None, None, None, None
+
+
+def _tiles_for(name: str, tiles: RowTiles | None, counts: torch.Tensor, rows: int) -> RowTiles:
+    if tiles is None:
+        return RowTiles(counts, rows)
+    tiles.check(name, counts, rows)
+    return tiles
 
 
 def _check_module_inputs(name: str, rows: torch.Tensor, counts: torch.Tensor, **tensors: torch.Tensor) -> None:
@@ -597,7 +760,8 @@ def _check_module_inputs(name: str, rows: torch.Tensor, counts: torch.Tensor, **
 
 
 def lora_gate_up(x: torch.Tensor, A: torch.Tensor, B1: torch.Tensor, B3: torch.Tensor, w1: torch.Tensor,
-                 w3: torch.Tensor, counts: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 w3: torch.Tensor, counts: torch.Tensor, scale: float,
+                 tiles: RowTiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Gate and up projections of expert-sorted rows with shared-A LoRA, the rank-r parts on the Triton kernels.
 
     ``gate = grouped(x, w1) + grouped(s · x A1ᵀ, B1)`` (up likewise with w3, A3, B3), as
@@ -606,7 +770,8 @@ def lora_gate_up(x: torch.Tensor, A: torch.Tensor, B1: torch.Tensor, B3: torch.T
     Args:
         x: ``[rows, Lt]`` sorted by expert. A: ``[2r, Lt]`` = ``[w1_lora_A; w3_lora_A]``.
         B1, B3: ``[E, F, r]``. w1, w3: ``[E, F, Lt]`` (frozen). counts: ``[E]`` rows per expert (moved to x's
-            device). scale: ``alpha / r``.
+            device). scale: ``alpha / r``. tiles: ``RowTiles(counts, rows)`` shared with the layer's
+            ``lora_down`` (None: built here).
 
     Returns:
         ``(gate, up)``, each ``[rows, F]`` in x's dtype.
@@ -615,12 +780,13 @@ def lora_gate_up(x: torch.Tensor, A: torch.Tensor, B1: torch.Tensor, B3: torch.T
     if A.dim() != 2 or B1.dim() != 3 or B1.shape != B3.shape or A.shape != (2 * B1.shape[2], x.shape[1]):
         raise ValueError(f"lora_gate_up: A {tuple(A.shape)}, B1 {tuple(B1.shape)}, B3 {tuple(B3.shape)} for x "
                          f"{tuple(x.shape)}: expected A [2r, Lt], B1 and B3 [E, F, r]")
+    tiles = _tiles_for("lora_gate_up", tiles, counts, x.shape[0])
     _check_module_inputs("lora_gate_up", x, counts, x=x, A=A, B1=B1, B3=B3, w1=w1, w3=w3)
-    return _GateUpLoRA.apply(x, A, B1, B3, w1, w3, counts, float(scale))
+    return _GateUpLoRA.apply(x, A, B1, B3, w1, w3, counts, float(scale), tiles)
 
 
 def lora_fc1(x: torch.Tensor, A: torch.Tensor, B1: torch.Tensor, B3: torch.Tensor, w13: torch.Tensor,
-             counts: torch.Tensor, scale: float) -> torch.Tensor:
+             counts: torch.Tensor, scale: float, tiles: RowTiles | None = None) -> torch.Tensor:
     """``lora_gate_up`` on megatron's fc1 layout: one stacked base weight, one ``[rows, 2F]`` output.
 
     ``out = [gate | up]`` with ``gate``/``up`` as in ``lora_gate_up`` and ``w1``/``w3`` the two halves of
@@ -630,7 +796,7 @@ def lora_fc1(x: torch.Tensor, A: torch.Tensor, B1: torch.Tensor, B3: torch.Tenso
     Args:
         x: ``[rows, Lt]`` sorted by expert. A: ``[2r, Lt]`` = ``[w1_lora_A; w3_lora_A]``.
         B1, B3: ``[E, F, r]``. w13: ``[E, 2F, Lt]`` (frozen; gate rows first). counts: ``[E]`` (moved to x's
-            device). scale: ``alpha / r``.
+            device). scale: ``alpha / r``. tiles: as ``lora_gate_up``'s.
 
     Returns:
         ``[rows, 2F]`` in x's dtype.
@@ -641,12 +807,13 @@ def lora_fc1(x: torch.Tensor, A: torch.Tensor, B1: torch.Tensor, B3: torch.Tenso
         raise ValueError(f"lora_fc1: A {tuple(A.shape)}, B1 {tuple(B1.shape)}, B3 {tuple(B3.shape)}, w13 "
                          f"{tuple(w13.shape)} for x {tuple(x.shape)}: expected A [2r, Lt], B1 and B3 [E, F, r], "
                          "w13 [E, 2F, Lt]")
+    tiles = _tiles_for("lora_fc1", tiles, counts, x.shape[0])
     _check_module_inputs("lora_fc1", x, counts, x=x, A=A, B1=B1, B3=B3, w13=w13)
-    return _GateUpLoRA.apply(x, A, B1, B3, w13, None, counts, float(scale))
+    return _GateUpLoRA.apply(x, A, B1, B3, w13, None, counts, float(scale), tiles)
 
 
 def lora_down(h: torch.Tensor, A2: torch.Tensor, B2: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor,
-              scale: float) -> torch.Tensor:
+              scale: float, tiles: RowTiles | None = None) -> torch.Tensor:
     """Down projection of expert-sorted rows with per-expert-A, shared-B LoRA, the rank-r parts on the kernels.
 
     ``out = grouped(h, w2) + s · grouped(h, A2) B2ᵀ``, as ``LoRALatentExperts.down``'s plain path; gradients for
@@ -654,7 +821,8 @@ def lora_down(h: torch.Tensor, A2: torch.Tensor, B2: torch.Tensor, w2: torch.Ten
 
     Args:
         h: ``[rows, F]`` sorted by expert. A2: ``[E, r, F]``. B2: ``[Lt, r]`` (shared). w2: ``[E, Lt, F]``
-            (frozen). counts: ``[E]`` (moved to h's device). scale: ``alpha / r``.
+            (frozen). counts: ``[E]`` (moved to h's device). scale: ``alpha / r``. tiles: ``RowTiles(counts,
+            rows)`` shared with the layer's ``lora_gate_up`` (None: built here).
 
     Returns:
         ``[rows, Lt]`` in h's dtype.
@@ -663,5 +831,6 @@ def lora_down(h: torch.Tensor, A2: torch.Tensor, B2: torch.Tensor, w2: torch.Ten
     if A2.dim() != 3 or B2.dim() != 2 or A2.shape[2] != h.shape[1] or B2.shape[1] != A2.shape[1]:
         raise ValueError(f"lora_down: A2 {tuple(A2.shape)}, B2 {tuple(B2.shape)} for h {tuple(h.shape)}: expected "
                          "A2 [E, r, F], B2 [Lt, r]")
+    tiles = _tiles_for("lora_down", tiles, counts, h.shape[0])
     _check_module_inputs("lora_down", h, counts, h=h, A2=A2, B2=B2, w2=w2)
-    return _DownLoRA.apply(h, A2, B2, w2, counts, float(scale))
+    return _DownLoRA.apply(h, A2, B2, w2, counts, float(scale), tiles)

@@ -35,6 +35,7 @@ import k3.kernels.lora_grouped as lora_grouped
 from k3.kernels.expert_lora import SHARED_INPUT, SLOT_MULTIPLE, lora_down, lora_gate_up, slot_width
 from k3.kernels.grouped_mm import grouped_mm
 from k3.lora.linear import xavier_bound
+from k3.model.mlp import situ
 from k3.model.moe import LatentExperts
 
 __all__ = ["LoRALatentExperts", "EXPERT_FACTORS"]
@@ -164,14 +165,23 @@ class LoRALatentExperts(LatentExperts):
     def _adapter_input(self, x: torch.Tensor) -> torch.Tensor:
         return F.dropout(x, self.dropout, self.training) if self.dropout > 0 else x
 
-    def gate_up(self, x: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x [rows, Lt]`` sorted by expert, ``counts [E]`` -> ``(gate [rows, F], up [rows, F])``."""
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``x [rows, Lt]`` sorted by expert (``counts[e]`` rows of expert e) -> ``[rows, Lt]``."""
+        tiles = None
+        if (self.fc1 or self.fc2) and not self.merged and self._use_triton(x):  # one row-tile schedule for both
+            tiles = lora_grouped.RowTiles(counts.to(x.device), x.shape[0])
+        return self.down(situ(*self.gate_up(x, counts, tiles), self.beta, self.linear_beta), counts, tiles)
+
+    def gate_up(self, x: torch.Tensor, counts: torch.Tensor,
+                tiles: lora_grouped.RowTiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [rows, Lt]`` sorted by expert, ``counts [E]`` -> ``(gate [rows, F], up [rows, F])``; ``tiles``: the
+        Triton path's row tiles, shared with ``down``."""
         if not self.fc1 or self.merged:
             return super().gate_up(x, counts)
         shared_A = torch.cat([self.w1_lora_A, self.w3_lora_A])  # [2r, Lt]: one GEMM for both projections
         if self._use_triton(x):  # first: it raises if fused was set too
             return lora_grouped.lora_gate_up(x, shared_A, self.w1_lora_B, self.w3_lora_B, self.w1, self.w3, counts,
-                                             self.scale)
+                                             self.scale, tiles)
         if self._use_fused():
             return lora_gate_up(x, shared_A, self.w1_lora_B, self.w3_lora_B, self._augmented("w1"),
                                 self._augmented("w3"), counts, self.scale, self.shared_input)
@@ -183,12 +193,12 @@ class LoRALatentExperts(LatentExperts):
         up = up + grouped_mm(xa[:, r:], self.w3_lora_B, counts)
         return gate, up
 
-    def down(self, h: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """``h [rows, F]`` sorted by expert -> ``[rows, Lt]``."""
+    def down(self, h: torch.Tensor, counts: torch.Tensor, tiles: lora_grouped.RowTiles | None = None) -> torch.Tensor:
+        """``h [rows, F]`` sorted by expert -> ``[rows, Lt]``; ``tiles`` as ``gate_up``'s."""
         if not self.fc2 or self.merged:
             return super().down(h, counts)
         if self._use_triton(h):
-            return lora_grouped.lora_down(h, self.w2_lora_A, self.w2_lora_B, self.w2, counts, self.scale)
+            return lora_grouped.lora_down(h, self.w2_lora_A, self.w2_lora_B, self.w2, counts, self.scale, tiles)
         if self._use_fused():
             return lora_down(h, self.w2_lora_A, self.w2_lora_B, self._augmented("w2"), counts, self.scale)
         out = super().down(h, counts)

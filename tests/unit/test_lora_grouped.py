@@ -225,6 +225,58 @@ def test_weight_grad_matches_the_reference(wide_first):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_schedule_kernel_equals_the_torch_reference_exactly(block_m):
+    gen = torch.Generator().manual_seed(3)
+    counts = torch.randint(0, 90, (112,), generator=gen)  # K3's 112 local experts: not a power of two
+    counts[::7] = 0  # experts without rows
+    rows = int(counts.sum())
+    sched, offsets = lg.row_tiles(counts, rows, block_m)  # > 128 tiles at block_m 16: several loop steps
+    assert sched.shape[1] > 128 or block_m == 64
+    assert torch.equal(sched, lg.tile_schedule_reference(counts, rows, block_m))
+    assert torch.equal(offsets, lg._offsets(counts))
+    empty, off0 = lg.row_tiles(torch.zeros(5, dtype=torch.int64), 0, block_m)
+    assert torch.equal(empty, lg.tile_schedule_reference(torch.zeros(5, dtype=torch.int64), 0, block_m))
+    assert off0.tolist() == [0] * 6
+    with pytest.raises(ValueError, match="offsets .*expected \\[E \\+ 1\\]"):
+        lg.weight_grad(torch.ones(rows, 4), torch.ones(rows, 4), counts, offsets=offsets[:-1])
+
+
+@needs_interpreter
+def test_a_pair_of_calls_in_one_launch_equals_the_two_calls():
+    p, q = _problem(seed=0), _problem(seed=1)
+    c = p["counts"]
+    outs = (p["out"].clone(), q["out"].clone())
+    assert lg.expand_add_(outs, (p["xa"], q["xa"]), (p["B"], q["B"]), c, block_m=16, block_n=16) is outs
+    for got, o in zip(outs, (p, q), strict=True):
+        torch.testing.assert_close(got, lg.expand_add_reference(o["out"], o["xa"], o["B"], c), rtol=RTOL, atol=ATOL)
+    dxa = torch.zeros(61, 10)  # the pair writes the two column halves of one tensor, as the backward does
+    lg.contract((p["h"], q["h"]), (p["A"], q["A"]), c, 0.5, out=(dxa[:, :5], dxa[:, 5:]), block_m=16, block_k=32)
+    for half, o in zip((dxa[:, :5], dxa[:, 5:]), (p, q), strict=True):
+        torch.testing.assert_close(half, lg.contract_reference(o["h"], o["A"], c, 0.5), rtol=RTOL, atol=ATOL)
+    dB = lg.weight_grad((p["out"], q["out"]), (p["xa"], q["xa"]), c, block_m=16, block_wide=32)
+    assert isinstance(dB, tuple) and len(dB) == 2
+    for got, o in zip(dB, (p, q), strict=True):
+        torch.testing.assert_close(got, lg.weight_grad_reference(o["out"], o["xa"], c), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda p: lg.expand_add_((p["out"], p["out"]), p["xa"], (p["B"], p["B"]), p["counts"]),
+     "give each a tensor \\(one call\\) or each a pair"),
+    (lambda p: lg.expand_add_((p["out"], p["out"][:, :-1]), (p["xa"],) * 2, (p["B"],) * 2, p["counts"]),
+     "out pair .*a pair needs one shape, strides"),
+    (lambda p: lg.weight_grad((p["out"], p["out"].T.contiguous().T), (p["xa"],) * 2, p["counts"]),
+     "a pair needs one shape, strides"),
+    (lambda p: lg.contract((p["h"], p["h"]), (p["A"], p["A"]), p["counts"]), "writes into a given pair of outputs"),
+    (lambda p: lg.lora_down(p["h"], p["A"], torch.ones(8, 5), torch.ones(7, 8, 70), p["counts"], 1.0,
+                            tiles=lg.RowTiles(p["counts"], 60)), "tiles built for 60 rows"),
+])
+def test_bad_pairs_and_tiles_raise_before_any_kernel(call, match):
+    with pytest.raises(ValueError, match=match):
+        call(_problem())
+
+
+@needs_interpreter
 def test_default_blocks_and_a_single_expert():
     p = _problem(counts=[61])
     got = lg.expand_add_(p["out"].clone(), p["xa"], p["B"], p["counts"])
@@ -383,6 +435,9 @@ def test_cuda_float32_kernels_match_the_cpu_references_without_a_host_sync():
                 lg.weight_grad(c["xa"], c["h"], c["counts"]))
 
     run()  # compile first: Triton's first launch may touch the device in ways the check below would flag
+    sched, offsets = lg.row_tiles(c["counts"], 400, 64)
+    assert torch.equal(sched.cpu(), lg.tile_schedule_reference(p["counts"], 400, 64))
+    assert torch.equal(offsets.cpu(), lg._offsets(p["counts"]))
     torch.cuda.set_sync_debug_mode("error")  # counts stay on the device: no kernel may sync the host on them
     try:
         out, ha, dB, dA = run()
