@@ -37,7 +37,7 @@ import os
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
@@ -107,6 +107,9 @@ class Ack:
     # of one host) and the seconds it spent there (checks, the copy out, the stream sync): where a sync's time goes.
     received_at: float = 0.0
     receive_s: float = 0.0
+    # ``torch.cuda.Event.ipc_handle()`` of the receiver's "copied out of the transfer buffer" event, sent once
+    # (CUDA transfer buffer only): the producer's next write into the buffer waits on it on the device.
+    consumed_event: bytes | None = None
 
 
 def use_file_system_sharing() -> None:
@@ -180,11 +183,15 @@ class TransferBuffer:
     and asserted, which fails at rank >= 33 with expert down-projection adapters; here it grows to
     ``max(needed, 2 x old)`` elements, and a grown buffer is a new generation that is shared again.
 
-    Ordering on CUDA: ``stage`` enqueues the copy and records ``event`` (interprocess) behind it, without a
-    host sync; the receiver makes its stream wait on that event before it copies out. torch's own IPC event
-    cannot serve here: it is recorded only when a storage is first shared, and the receiver skips it when the
-    mapping is cached. Overwriting is safe because the producer stages the next chunk only after the ack,
-    which the receiver sends after its copy has finished.
+    Ordering on CUDA, with no host sync on either side: ``stage`` enqueues the copy and records ``event``
+    (interprocess) behind it; the receiver makes its stream wait on that event, enqueues its copy out, records
+    its own interprocess event (``consumed``, its handle sent back once in an ack) behind that copy and acks at
+    once. Every later write into the buffer (``claim``: ``stage`` and the exporter's in-place writes) first makes
+    the producer's stream wait on ``consumed``, so the ack's way back overlaps the copies instead of following
+    them. torch's own IPC event cannot serve here: it is recorded only when a storage is first shared, and the
+    receiver skips it when the mapping is cached. Freeing the buffer (growth, ``release``) waits for ``consumed``
+    on the host: the allocator may hand the memory to any stream after that. Without a ``consumed`` event (the
+    CPU, a receiver in this process, or an older receiver) the receiver finishes its copy before it acks.
 
     ``capacity`` is in elements of ``dtype``; ``grows`` counts reallocations after the first.
     """
@@ -196,6 +203,7 @@ class TransferBuffer:
         self.generation = 0  # bumped by every allocation: the receiver must map each generation once
         self._buffer: torch.Tensor | None = None
         self._event: torch.cuda.Event | None = None
+        self._consumed: torch.cuda.Event | None = None  # the receiver's copy-out event, opened from its handle
         if initial_numel > 0:
             self._allocate(initial_numel)
 
@@ -213,9 +221,19 @@ class TransferBuffer:
         """The interprocess event recorded behind every staged copy (CUDA only; created at the first stage)."""
         return self._event
 
+    def set_consumed_event(self, handle: bytes) -> None:
+        """Open the receiver's copy-out event (``Ack.consumed_event``); later writes wait on it on the device."""
+        self._consumed = torch.cuda.Event.from_ipc_handle(self.device, handle)
+
+    def wait_consumed(self) -> None:
+        """Block the host until the receiver's last copy out of the buffer has finished (no-op without one)."""
+        if self._consumed is not None:
+            self._consumed.synchronize()
+
     def _allocate(self, numel: int) -> None:
         if self._buffer is not None:
             self.grows += 1
+            self.wait_consumed()  # the receiver may still be reading the old buffer
         self._buffer = None  # drop the old one first: the peak is then the new buffer, not both
         buf = torch.empty(numel, dtype=self.dtype, device=self.device)
         if buf.device.type == "cpu":
@@ -228,6 +246,8 @@ class TransferBuffer:
         call ``mark_written`` after the writes are enqueued."""
         if numel > self.capacity:
             self._allocate(max(numel, 2 * self.capacity))
+        if self._consumed is not None:  # the receiver's copy of the previous chunk comes first
+            torch.cuda.current_stream(self.device).wait_event(self._consumed)
         return self._buffer[:numel]
 
     def mark_written(self) -> None:
@@ -247,7 +267,9 @@ class TransferBuffer:
         return prefix
 
     def release(self) -> None:
-        """Free the buffer (after the last sync of a run)."""
+        """Free the buffer (after the last sync of a run), once the receiver's last copy out has finished."""
+        if self._buffer is not None:
+            self.wait_consumed()
         self._buffer = None
 
 
@@ -396,6 +418,8 @@ class AdapterProducer:
         finally:
             del payload
         ack = self._wait_ack(key)
+        if ack.consumed_event is not None and self.transfer_buffer is not None:
+            self.transfer_buffer.set_consumed_event(ack.consumed_event)
         if self.barrier is not None:
             self.barrier()
         self._release(key)
@@ -607,6 +631,8 @@ class AdapterReceiver:
         digest: fingerprint the activated version into the last ack (costs one pass over the adapter).
     """
 
+    records_consumed_event = True  # ``receive`` takes ``consumed`` (``serve`` passes it for a CUDA transfer buffer)
+
     def __init__(
         self,
         expected: Mapping[str, Sequence[int]] | None = None,
@@ -625,11 +651,15 @@ class AdapterReceiver:
         self._staging_version = 0
         self._next_index = 0
 
-    def receive(self, header: ChunkHeader, bucket: torch.Tensor) -> Ack:
-        """Check one chunk against the stream, copy it out of ``bucket``, activate on the last; never raises."""
+    def receive(self, header: ChunkHeader, bucket: torch.Tensor,
+                consumed: "torch.cuda.Event | None" = None) -> Ack:
+        """Check one chunk against the stream, copy it out of ``bucket``, activate on the last; never raises.
+
+        ``consumed`` (CUDA): record it behind the copy out instead of waiting for the copy, so the ack goes back
+        while the copy runs; the producer's next write into ``bucket``'s memory waits on it on the device."""
         start = time.perf_counter()
         try:
-            digest = self._receive(header, bucket)
+            digest = self._receive(header, bucket, consumed)
         except _Reject as e:
             return self.refuse(header, str(e))
         return Ack(header.version, header.index, ok=True, digest=digest, active_version=self.active_version,
@@ -641,7 +671,7 @@ class AdapterReceiver:
         self._staging = None
         return Ack(header.version, header.index, ok=False, error=error, active_version=self.active_version)
 
-    def _receive(self, h: ChunkHeader, bucket: torch.Tensor) -> str | None:
+    def _receive(self, h: ChunkHeader, bucket: torch.Tensor, consumed: "torch.cuda.Event | None") -> str | None:
         if h.is_first:
             if h.index != 0:
                 raise _Reject(f"chunk marked is_first has index {h.index}")
@@ -670,10 +700,15 @@ class AdapterReceiver:
         # One copy of the whole chunk (one kernel on CUDA), cut into views: the tensors of a chunk share storage.
         flat = bucket.to(self.device or bucket.device, copy=True)
         self._staging.update(unflatten(flat, h.names, h.shapes))
-        _sync_device(bucket.device)  # the copy must be done before the ack lets the producer reuse the bucket
+        if consumed is not None:
+            consumed.record(torch.cuda.current_stream(bucket.device))
+        else:
+            _sync_device(bucket.device)  # the copy must be done before the ack lets the producer reuse the bucket
         self._next_index += 1
         if not h.is_last:
             return None
+        if consumed is not None and self.on_activate is not None:
+            _sync_device(bucket.device)  # an engine may load the adapter on other streams or processes
         if self.expected is not None:
             missing = sorted(set(self.expected) - set(self._staging))
             if missing:
@@ -737,6 +772,8 @@ def serve(conn: Connection, receiver: AdapterReceiver) -> None:
     a CUDA IPC handle costs about as much as the copies, and the producer holds that memory for the run anyway.
     """
     mapped: _MappedBuffer | None = None
+    consumed: torch.cuda.Event | None = None  # recorded behind each copy out of a CUDA transfer buffer
+    consumed_sent = False
     while True:
         try:
             msg = conn.recv()
@@ -764,9 +801,19 @@ def serve(conn: Connection, receiver: AdapterReceiver) -> None:
             bucket = _LOCAL_BUCKETS.pop(payload.key)
         else:
             bucket = payload
+        # Only a buffer that outlives the chunk, across processes (an IPC event came with it), skips the sync:
+        # a fresh bucket is freed by the producer on the ack, a same-process one has no IPC event.
+        # The receiver must say it records ``consumed`` (a receiver that hands the bucket on, as SGLang's does,
+        # needs the bucket intact until it returns, so it keeps the sync).
+        ordered = (isinstance(payload, BufferSlice) and mapped is not None and mapped.event is not None
+                   and getattr(receiver, "records_consumed_event", False))
+        if ordered and consumed is None:
+            consumed = torch.cuda.Event(enable_timing=False, interprocess=True)
         del payload
-        ack = receiver.receive(header, bucket)
+        ack = receiver.receive(header, bucket, consumed) if ordered else receiver.receive(header, bucket)
         del bucket
+        if ordered and not consumed_sent:
+            ack, consumed_sent = replace(ack, consumed_event=consumed.ipc_handle()), True
         conn.send(ack)
 
 

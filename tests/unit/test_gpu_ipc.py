@@ -136,6 +136,48 @@ def _digesting_receiver() -> AdapterReceiver:
     return AdapterReceiver(device="cuda", digest=True)
 
 
+class _SlowCopyReceiver(AdapterReceiver):
+    """Queues ~50 ms of device sleep ahead of each copy out of the bucket, so every ack leaves long before the
+    copy it follows has run."""
+
+    def receive(self, header, bucket, consumed=None):
+        torch.cuda._sleep(100_000_000)
+        return super().receive(header, bucket, consumed) if consumed is not None else super().receive(header, bucket)
+
+
+def _slow_copy_receiver() -> AdapterReceiver:
+    return _SlowCopyReceiver(device="cuda", digest=True)
+
+
+@pytest.mark.gpu
+def test_cuda_transfer_buffer_is_not_overwritten_before_the_receiver_copied_it_out():
+    """The receiver acks a transfer-buffer chunk before its copy out has run (it records the consumed event
+    instead of waiting); the producer's next chunk goes into the same buffer and must wait on that event on the
+    device. Three chunks of different data per version, the receiver's copies each ~50 ms late: a producer that
+    wrote early would corrupt the previous chunk and the version's digest would differ."""
+    shapes = bench.expert_chunk_shapes(112, 3072, 3584, 32)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    named = [(n, torch.randn(s, generator=gen, device="cuda").bfloat16()) for n, s in shapes]
+    groups = [named[0:2], named[2:4], named[4:6]]
+    proc, conn = spawn_receiver(_slow_copy_receiver)
+    try:
+        producer = AdapterProducer(conn, transfer_buffer=TransferBuffer("cuda"), ack_timeout_s=120)
+        for v in (1, 2):
+            with torch.no_grad():
+                for _, t in named:
+                    t.mul_(-1.0)
+            want = digest_tensors(named)
+            acks = [producer.send_chunk(AdapterChunk(g, v, i == 0, i == 2), i) for i, g in enumerate(groups)]
+            assert all(a.ok for a in acks) and acks[-1].active_version == v and acks[-1].digest == want
+            assert acks[0].receive_s < 0.03, acks[0]  # acked without waiting for its ~50 ms-late copy
+        producer.close()
+        proc.join(timeout=60)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
+
+
 @pytest.mark.gpu
 def test_cuda_memory_back_to_baseline_over_100_syncs_and_a_planted_leak_caught(tmp_path):
     # 112 experts (63 MiB) keeps 2 x 100 gated syncs to seconds; bench/gpu_ipc.py runs the full 505 MiB chunk
