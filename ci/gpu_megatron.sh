@@ -8,6 +8,7 @@
 #   bash ci/gpu_megatron.sh            (run from anywhere; the repo root is found from this file)
 #   K3_GPU_MEGATRON_TRAIN_ARGS="--expert-lora-kernel triton --lora-transfer-buffer" bash ci/gpu_megatron.sh
 #                                      (extra `k3 train` flags for the loop, e.g. our opt-in paths)
+#   K3_GPU_MEGATRON_SKIP_PARITY=1      (the loop and the harness only: step 2 is skipped)
 #
 # The wheels in .whl/ (megatron-core, fla; carried to the device) are installed into /tmp/site. Everything the
 # run prints goes to $OUT/gpu_megatron.log; $OUT/verdict.json is the harness's verdict and $OUT/metrics.jsonl the
@@ -112,7 +113,8 @@ EOF
 # After the loop (the loop's result matters most); per-test limits print the stacks of a test that runs over.
 # Parity needs correct numbers, not the fastest configs: fla's full mode takes a recorded config for every key
 # (k3/kernels/fla_tuning.py), so the wider slice's new shapes compile once instead of autotuning.
-step "pytest -m gpu tests/parity/test_megatron_gpu.py" 240 \
+# K3_GPU_MEGATRON_SKIP_PARITY=1 skips it (a lease that spends its time on the loop with other flags).
+[[ ${K3_GPU_MEGATRON_SKIP_PARITY:-0} == 1 ]] || step "pytest -m gpu tests/parity/test_megatron_gpu.py" 240 \
     env FLA_CACHE_MODE=full FLA_CONFIG_DIR="$PWD/k3/kernels/fla_tuned/NVIDIA_H200" python3 -m pytest -v -rA -m gpu -p no:randomly -p no:cacheprovider --timeout=200 --durations=10 \
     tests/parity/test_megatron_gpu.py
 
