@@ -19,17 +19,24 @@ at 11 TFLOP/s, 0.28 ms, for ~0.05 ms of memory traffic; docs/PERFORMANCE.md). Al
 pass over the wide operand, the rank-r operand and the per-expert factor staying in L2. The floor they aim at, by
 bytes moved at K3's EP8 shapes (16,352 rows, latent 3584, width 3072, r 32, bf16): ~0.85 GB for the adapter's
 forward and ~1.2 GB for its backward, ~0.5 ms at the H200's measured 4.3 TB/s copy rate against the base's
-8.6 ms forward+backward, i.e. ~6% (an estimate from the shapes; what the kernels reach is for a lease to measure).
+8.6 ms forward+backward, i.e. ~6%. Measured on the H200 (``bench/gpu_lora_kernels.py``, CUDA-graph replays): each
+kernel moves its bytes at 70-82% of a D2D copy's rate; the module's forward+backward is +8.6% over the frozen
+experts' when calls run back to back, +11.2% timed from an idle device (docs/PERFORMANCE.md).
 
 Tiling. ``expand_add_`` and ``contract`` tile the rows by expert: a tile is ``BLOCK_M`` rows of one expert
 (the last tile of an expert is partial). The tile -> (expert, row start, row end) schedule is built on the device
-by ``tile_schedule`` from ``counts`` with torch ops (no host sync); the grid is its upper bound
+by ``tile_schedule`` from ``counts`` in one small Triton launch (no host sync; ``tile_schedule_reference`` is the
+same in torch ops, ~20 launches); a layer builds it once (``RowTiles``) for its gate/up and down, forward and
+backward. The grid is its upper bound
 ``cdiv(rows, BLOCK_M) + E`` and tiles past the last real one exit at once. ``expand_add_`` runs one program per
 (row tile, ``BLOCK_N`` columns), the columns fastest so the programs running together share one ``B_e`` and one
 ``xa`` tile in L2; ``contract`` one program per row tile, looping over K in ``BLOCK_K`` steps. ``weight_grad`` runs
 one program per (expert, ``[BLOCK_P, BLOCK_Q]`` output block), looping over the expert's rows (from the device
 offsets; an expert without rows writes zeros). The rank-r dimension is one block padded to a power of two >= 16
 (``tl.dot``'s minimum), masked.
+
+Every kernel takes a *pair* of calls of one shape and strides in one launch (grid axis 1; the second call's tensors
+as element offsets from the first's): gate and up run together, so a forward+backward launches 7 kernels, not 11.
 
 ``lora_gate_up`` / ``lora_down`` (autograd Functions, at the end) are ``LoRALatentExperts(lora_impl="triton")``:
 the plain path's math with these kernels, backward written out, each running its frozen base grouped GEMM (torch's)
@@ -45,8 +52,8 @@ to fp32 first. The plain-torch references sit next to each kernel (``*_reference
 beside ``chunk.py``. Triton 3.6's interpreter also needs numpy < 2.4 (triton-lang/triton#9171: a kernel's scalar
 argument in ``range`` raises "only 0-dimensional arrays can be converted to Python scalars").
 
-Unmeasured on the GPU so far (checked: the interpreter tests, and that all three kernels compile to sm_90 cubins with
-Triton 3.6, bf16 on tensor-core MMA); the block sizes are first guesses, swept by ``bench/gpu_expert_lora.py``.
+The default tiles are the swept ones' near-best (``bench/gpu_lora_kernels.py`` sweeps them: within 10% of the best
+per kernel on the H200, and the module's time did not move with the tuned ones).
 """
 
 from __future__ import annotations
@@ -62,11 +69,11 @@ __all__ = ["DEFAULT_BLOCKS", "KERNEL_CHOICES", "MAX_RANK", "check_kernel_choice"
            "lora_gate_up", "RowTiles", "row_tiles", "tile_schedule", "tile_schedule_reference", "triton_available",
            "triton_runs_on", "weight_grad", "weight_grad_reference"]
 
-# Tile sizes per kernel (powers of two; the rank-r dimension is never tiled). First guesses, not measured yet.
+# Tile sizes per kernel (powers of two; the rank-r dimension is never tiled), swept on the H200.
 DEFAULT_BLOCKS = {
     "expand": {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 3},
     "contract": {"block_m": 64, "block_k": 128, "num_warps": 4, "num_stages": 3},
-    "weight_grad": {"block_m": 64, "block_wide": 128, "num_warps": 4, "num_stages": 3},
+    "weight_grad": {"block_m": 32, "block_wide": 128, "num_warps": 4, "num_stages": 4},
 }
 MAX_RANK = 256  # the rank-r dimension is one register block: beyond this it would spill
 _MIN_DOT = 16  # tl.dot's smallest M/N/K
@@ -254,7 +261,9 @@ def cpu_interpreter_problem() -> str | None:
     return None
 
 
-KERNEL_CHOICES = ("torch", "triton")  # how an expert adapter runs its rank-r grouped GEMMs
+# How an expert adapter runs its rank-r grouped GEMMs: ``auto`` = ``triton`` where the kernels run (CUDA with
+# Triton) and no dropout mask is active, else ``torch``; ``triton`` insists (an error where it cannot run).
+KERNEL_CHOICES = ("auto", "torch", "triton")
 
 
 def check_kernel_choice(kernel: str, flag: str = "lora_impl") -> None:
@@ -270,11 +279,14 @@ def kernels_run(kernel: str, device: torch.device | str, dropout_active: bool, f
     """Whether an expert adapter set to ``kernel`` runs its rank-r parts on these kernels now.
 
     False for ``torch``, and while dropout is active (the torch path applies the mask); True for ``triton`` where
-    the kernels run on ``device``; a ValueError naming ``flag`` where ``triton`` was asked for and they cannot.
+    the kernels run on ``device``; a ValueError naming ``flag`` where ``triton`` was asked for and they cannot;
+    ``auto``: whether they run on ``device`` (never an error).
     """
     if kernel == "torch" or dropout_active:
         return False
     check_kernel_choice(kernel, flag)
+    if kernel == "auto":
+        return triton_runs_on(device)
     if not triton_runs_on(device):
         raise ValueError(f"{flag}='triton': the Triton kernels cannot run on {torch.device(device)} here (they need "
                          f"a CUDA device, or the CPU under TRITON_INTERPRET=1); use {flag}='torch'")

@@ -38,8 +38,8 @@ def lora_parameter_counts(model: nn.Module) -> tuple[int, int]:
 def apply_lora(model: nn.Module, config: LoRAConfig, expert_lora_kernel: str = "torch") -> nn.Module:
     """Freeze every parameter of ``model``, then attach adapters at ``config.target_modules``; returns ``model``.
 
-    ``expert_lora_kernel``: ``"torch"`` or ``"triton"``, how the routed experts' adapters run their rank-r grouped
-    GEMMs (``LoRALatentExperts(lora_impl=...)``; the same adapters and math either way).
+    ``expert_lora_kernel``: ``"torch"``, ``"triton"`` or ``"auto"``, how the routed experts' adapters run their
+    rank-r grouped GEMMs (``LoRALatentExperts(lora_impl=...)``; the same adapters and math either way).
 
     The model is changed in place (modules replaced by ``LoRALinear`` / ``LoRALatentExperts`` that keep the
     base weights and their state-dict names) and remembers ``config`` as ``model.lora_config``. Adapters

@@ -254,8 +254,8 @@ def apply_megatron_lora(model: nn.Module, lora: LoRAConfig, seed: int = 0,
                         expert_lora_kernel: str = "torch") -> list[str]:
     """Freeze ``model`` (a ``k3_model_provider`` stage) and attach adapters at ``lora.target_modules``.
 
-    ``expert_lora_kernel``: ``"torch"`` or ``"triton"``, how the routed-expert adapters run their rank-r grouped
-    GEMMs (``ExpertLoRA``; the same adapters and math either way).
+    ``expert_lora_kernel``: ``"torch"``, ``"triton"`` or ``"auto"``, how the routed-expert adapters run their
+    rank-r grouped GEMMs (``ExpertLoRA``; the same adapters and math either way).
 
     Returns the global names of the adapted linears. Call it before wrapping the model in megatron's DDP.
     Raises ``LoRAConfigError`` when a target matches nothing on this stage, ``TypeError`` if LoRA is on, and

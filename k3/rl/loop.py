@@ -562,7 +562,7 @@ def _require_sglang(a: Any, in_process: bool) -> None:
 def _require_expert_lora_kernel(kernel: str, device: str) -> None:
     """Stop at once where ``--expert-lora-kernel triton`` cannot run on the trainer's device (it would fail at the
     first training step, after the warm-up and the first rollout)."""
-    if kernel == "torch":
+    if kernel in ("torch", "auto"):  # auto falls back to torch where the kernels cannot run
         return
     from k3.kernels import lora_grouped
 

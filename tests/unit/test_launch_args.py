@@ -304,7 +304,7 @@ def test_worker_env():
          "--global-batch-size 15 must be a multiple of the data-parallel size 2"),
         (TrainArgs(extra_env_vars="A=1 oops"),
          "--extra-env-vars: 'oops' is not KEY=VALUE (pairs are space-separated)"),
-        (TrainArgs(expert_lora_kernel="cuda"), "--expert-lora-kernel 'cuda': expected one of torch, triton"),
+        (TrainArgs(expert_lora_kernel="cuda"), "--expert-lora-kernel 'cuda': expected one of auto, torch, triton"),
         (TrainArgs(mode="fast"), "--mode 'fast': expected one of debug_minimal, normal"),
         (TrainArgs(reward_model="exact"), "--reward-model 'exact': expected one of deterministic_random, deepscaler, "
                                           "math"),

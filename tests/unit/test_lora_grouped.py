@@ -164,6 +164,28 @@ def test_triton_where_it_cannot_run_raises_and_fused_is_exclusive(monkeypatch):
         m(torch.randn(61, 16), torch.tensor(COUNTS))
 
 
+def test_auto_takes_the_kernels_where_they_run_and_the_torch_path_elsewhere(monkeypatch):
+    calls = []
+    monkeypatch.setattr(lora_experts.lora_grouped, "lora_gate_up", lambda *a, **k: calls.append("gate_up"))
+    monkeypatch.setattr(lg, "triton_available", lambda: True)
+    monkeypatch.setattr(lg, "triton_runs_on", lambda device: False)
+    m = _experts(lora_impl="auto")
+    counts = torch.tensor(COUNTS)
+    x = torch.randn(61, 16)
+    want = _experts()(x, counts)  # the same seeded weights on the torch path
+    torch.testing.assert_close(m(x, counts), want)  # no error where the kernels cannot run: torch
+    assert calls == [] and not lg.kernels_run("auto", "cpu", False)
+    monkeypatch.setattr(lg, "triton_runs_on", lambda device: True)
+    assert lg.kernels_run("auto", "cpu", False) and not lg.kernels_run("auto", "cpu", True)  # dropout: torch
+    with pytest.raises(TypeError):  # the stand-in returned None: the kernels were taken
+        m(x, counts)
+    assert calls == ["gate_up"]
+    m.fused = True  # asked for explicitly: auto defers to the fused path, where triton would refuse
+    calls.clear()
+    m(x, counts)
+    assert calls == []
+
+
 def test_dropout_in_training_keeps_the_torch_path(monkeypatch):
     monkeypatch.setattr(lg, "triton_available", lambda: True)
     monkeypatch.setattr(lg, "triton_runs_on", lambda device: True)
@@ -408,7 +430,7 @@ def test_apply_lora_takes_the_expert_kernel_and_an_unknown_one_changes_nothing(m
     from k3.model import KimiK3ForCausalLM
 
     model = KimiK3ForCausalLM(variant("tiny"))
-    with pytest.raises(ValueError, match="expert_lora_kernel='cuda': expected one of \\('torch', 'triton'\\)"):
+    with pytest.raises(ValueError, match="expert_lora_kernel='cuda': expected one of \\('auto', 'torch', 'triton'\\)"):
         apply_lora(model, LoRAConfig(rank=2, alpha=4), expert_lora_kernel="cuda")
     assert all(p.requires_grad for p in model.parameters())  # refused before the model was touched
     monkeypatch.setattr(lg, "triton_available", lambda: False)

@@ -79,7 +79,7 @@ def _inputs(which: str):
 
 # ------------------------------------------------------------------------------------------------ no Triton needed
 def test_unknown_kernel_is_refused_before_the_model_is_touched():
-    with pytest.raises(ValueError, match="expert_lora_kernel='cuda': expected one of \\('torch', 'triton'\\)"):
+    with pytest.raises(ValueError, match="expert_lora_kernel='cuda': expected one of \\('auto', 'torch', 'triton'\\)"):
         _linear("fc1", kernel="cuda")
     model = nn.Linear(2, 2)
     with pytest.raises(ValueError, match="expert_lora_kernel='cuda'"):
