@@ -718,7 +718,9 @@ class _GateUpLoRA(torch.autograd.Function):
                 else:
                     dx = grouped_mm(dgate, w1.transpose(1, 2), counts)
                     dx += grouped_mm(dup, w3.transpose(1, 2), counts)
-                dx.addmm_(dxa, A)
+                # dx += dxa A, the shared A as every expert's factor (stride 0): the kernel's one read-add-write
+                expand_add_(dx, dxa, A.T.unsqueeze(0).expand(B1.shape[0], -1, -1), counts,
+                            schedule=tiles.get("expand"))
             if need_A:
                 dA = dxa.T @ x
         if need_B1 and need_B3:
@@ -734,8 +736,9 @@ class _DownLoRA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, A2, B2, w2, counts, scale, tiles):
         out = grouped_mm(h, w2, counts)  # [rows, Lt]
-        ha = contract(h, A2, counts, schedule=tiles.get("contract"))  # [rows, r]
-        out.addmm_(ha, B2.T, alpha=scale)  # the shared B: an ordinary GEMM, added in place
+        ha = contract(h, A2, counts, scale, schedule=tiles.get("contract"))  # [rows, r], scaled
+        # out += ha B2ᵀ, the shared B as every expert's factor (stride 0): added in the kernel's epilogue
+        expand_add_(out, ha, B2.unsqueeze(0).expand(A2.shape[0], -1, -1), counts, schedule=tiles.get("expand"))
         ctx.save_for_backward(h, ha, A2, B2, w2, counts)
         ctx.scale, ctx.tiles = scale, tiles
         return out
@@ -754,7 +757,7 @@ class _DownLoRA(torch.autograd.Function):
         if need_A2:
             dA2 = weight_grad(dha, h, counts, offsets=ctx.tiles.offsets)  # [E, r, F]
         if need_B2:
-            dB2 = (dout.T @ ha).mul_(s)  # [Lt, r]
+            dB2 = dout.T @ ha  # [Lt, r]; ha carries the scale
         return dh, dA2, dB2, None, None, None, None
 
 
