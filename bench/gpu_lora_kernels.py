@@ -296,7 +296,8 @@ def run(args: argparse.Namespace) -> dict:
         "default_blocks": saved, "tuned_blocks": best, "calls": per_call, "pairs": pairs, "sweep": sweep_rows,
         "schedule_ms": sched_ms, "torch_calls": torch_rows, "module_fwd_bwd_ms": module_ms,
         "module_overhead": {k: v / module_ms["base"] - 1 for k, v in module_ms.items() if k != "base"},
-        "profile_tuned": profile, "host_profile": host, "command": "python bench/gpu_lora_kernels.py " + " ".join(sys.argv[1:]),
+        "profile_tuned": profile, "host_profile": host,
+        "command": "python bench/gpu_lora_kernels.py " + " ".join(sys.argv[1:]),
     }
 
 
@@ -313,7 +314,8 @@ def markdown(res: dict) -> str:
                      f"{c['default_ms']:.3f} | {c['tuned_ms']:.3f} | {100 * c['tuned_share_of_copy']:.0f}% | "
                      f"{c['host_us']:.0f} |")
     lines += ["", f"tuned tiles: {res['tuned_blocks']}", "",
-              "| pair (default tiles) | one launch ms | two launches ms | one launch host µs | two launches host µs |",
+              "| pair (default tiles) | one launch ms | two launches ms | one launch host µs "
+              "| two launches host µs |",
               "|---|---:|---:|---:|---:|"]
     lines += [f"| {p['calls']} | {p['one_launch_ms']:.3f} | {p['two_launches_ms']:.3f} | "
               f"{p['one_launch_host_us']:.0f} | {p['two_launches_host_us']:.0f} |" for p in res["pairs"]]

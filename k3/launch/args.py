@@ -182,7 +182,7 @@ class TrainArgs:
                                            group="lora")
     expert_lora_kernel: str = opt("auto", "how the trainer's routed-expert adapters run their rank-r grouped GEMMs: "
                                   "triton (kernels that add into the frozen base's output; needs CUDA and Triton; "
-                                  "H200: +8.6% over the frozen experts' fwd+bwd vs +15% for torch), torch "
+                                  "H200: +8-9% over the frozen experts' fwd+bwd vs +15-17% for torch), torch "
                                   "(grouped_mm), or auto (triton where it runs, else torch)",
                                   choices=EXPERT_LORA_KERNELS, group="lora", ours=True)
     lora_base_cpu_backup: bool = opt(True, "engine keeps a host copy of its frozen base while released, so the "

@@ -22,7 +22,7 @@ memory, 0.9% at K3 widths). The storage is rebuilt when something replaces a bas
 
 ``lora_impl="triton"`` runs the plain path's rank-r grouped GEMMs on Triton kernels (``k3/kernels/lora_grouped.py``:
 the full-width adds in the kernels' epilogues, torch's grouped GEMM measured far from bandwidth at rank r). Same
-math; on the H200 +8.6% over the frozen experts' forward+backward (back to back) vs +15% for the torch path.
+math; on the H200 +8.2-9.2% over the frozen experts' forward+backward (back to back) vs +15-17% for torch.
 ``lora_impl="auto"`` takes it where it runs; ``k3 train --expert-lora-kernel`` defaults to auto.
 """
 
@@ -69,7 +69,7 @@ class LoRALatentExperts(LatentExperts):
         lora_impl: how the plain path runs its rank-r grouped GEMMs: ``"torch"`` (the default and the reference:
             torch's grouped GEMM, then full-width adds), ``"triton"`` (``k3/kernels/lora_grouped.py``: Triton
             kernels with the adds in their epilogues; same math, gradients for the input rows and every factor;
-            H200, K3's EP8 shapes: +8.6% over the frozen experts' forward+backward vs +15% for torch,
+            H200, K3's EP8 shapes: +8.2-9.2% over the frozen experts' forward+backward vs +15-17% for torch,
             docs/PERFORMANCE.md) or ``"auto"`` (triton where it runs, else torch). "triton" needs Triton and a CUDA
             device (or the CPU under ``TRITON_INTERPRET=1``), else a ValueError names ``"torch"``; it cannot be
             combined with ``fused`` (``auto`` defers to ``fused``); active dropout takes the torch path.
