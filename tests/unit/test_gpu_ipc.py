@@ -4,6 +4,7 @@ memory), and on one GPU (``gpu``): CUDA IPC delivery bit-exact with and without 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 from pathlib import Path
@@ -111,10 +112,7 @@ def test_cuda_chunk_arrives_bit_exact(buffered, stage_queued):
     gen = torch.Generator(device="cuda").manual_seed(3)
     tensors = [torch.randn(s, generator=gen, device="cuda").bfloat16() for _, s in shapes]
     named = list(zip([n for n, _ in shapes], tensors))
-    proc, conn = spawn_receiver(_digesting_receiver)
-    try:
-        producer = AdapterProducer(conn, transfer_buffer=TransferBuffer("cuda") if buffered else None,
-                                   ack_timeout_s=120)
+    with _producer_and_receiver(_digesting_receiver, buffered) as producer:
         for v in (1, 2, 3):
             with torch.no_grad():
                 for t in tensors:
@@ -124,6 +122,16 @@ def test_cuda_chunk_arrives_bit_exact(buffered, stage_queued):
                 torch.cuda._sleep(100_000_000)
             ack = producer.send_version([AdapterChunk(named, v, True, True)])
             assert ack.ok and ack.active_version == v and ack.digest == want
+
+
+@contextlib.contextmanager
+def _producer_and_receiver(make_receiver, buffered: bool):
+    """A CUDA producer (with a transfer buffer or not) and a spawned receiver, closed cleanly at the end."""
+    proc, conn = spawn_receiver(make_receiver)
+    try:
+        producer = AdapterProducer(conn, transfer_buffer=TransferBuffer("cuda") if buffered else None,
+                                   ack_timeout_s=120)
+        yield producer
         producer.close()
         proc.join(timeout=60)
         assert proc.exitcode == 0
@@ -159,9 +167,7 @@ def test_cuda_transfer_buffer_is_not_overwritten_before_the_receiver_copied_it_o
     gen = torch.Generator(device="cuda").manual_seed(5)
     named = [(n, torch.randn(s, generator=gen, device="cuda").bfloat16()) for n, s in shapes]
     groups = [named[0:2], named[2:4], named[4:6]]
-    proc, conn = spawn_receiver(_slow_copy_receiver)
-    try:
-        producer = AdapterProducer(conn, transfer_buffer=TransferBuffer("cuda"), ack_timeout_s=120)
+    with _producer_and_receiver(_slow_copy_receiver, buffered=True) as producer:
         for v in (1, 2):
             with torch.no_grad():
                 for _, t in named:
@@ -170,12 +176,6 @@ def test_cuda_transfer_buffer_is_not_overwritten_before_the_receiver_copied_it_o
             acks = [producer.send_chunk(AdapterChunk(g, v, i == 0, i == 2), i) for i, g in enumerate(groups)]
             assert all(a.ok for a in acks) and acks[-1].active_version == v and acks[-1].digest == want
             assert acks[0].receive_s < 0.03, acks[0]  # acked without waiting for its ~50 ms-late copy
-        producer.close()
-        proc.join(timeout=60)
-        assert proc.exitcode == 0
-    finally:
-        if proc.is_alive():
-            proc.kill()
 
 
 @pytest.mark.gpu
