@@ -188,23 +188,28 @@ def run_workers(args: list[str], nproc: int = 1, timeout: float = 240.0, env: di
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    full_env = dict(os.environ)
-    full_env.update(OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                    PYTHONPATH=os.pathsep.join([str(root), str(root / "tests"), full_env.get("PYTHONPATH", "")]),
-                    PYTHONWARNINGS="ignore")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        full_env.pop(key, None)
-    full_env.update(env or {})
-    if nproc == 1:
-        cmd = [sys.executable, *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-               "127.0.0.1", "--master-port", str(port), *args]
-    proc = subprocess.run(cmd, cwd=root, env=full_env, capture_output=True, text=True, timeout=timeout)
+    # The port is free when asked for, but it is in the ephemeral range: any process's outgoing connection (the
+    # other xdist worker's gloo or Ray, say) may take it before the workers bind it. Then run again on another.
+    for attempt in range(3):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        full_env = dict(os.environ)
+        full_env.update(OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                        PYTHONPATH=os.pathsep.join([str(root), str(root / "tests"), full_env.get("PYTHONPATH", "")]),
+                        PYTHONWARNINGS="ignore")
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            full_env.pop(key, None)
+        full_env.update(env or {})
+        if nproc == 1:
+            cmd = [sys.executable, *args]
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
+                   "127.0.0.1", "--master-port", str(port), *args]
+        proc = subprocess.run(cmd, cwd=root, env=full_env, capture_output=True, text=True, timeout=timeout)
+        out = proc.stdout + proc.stderr
+        if proc.returncode == 0 or "EADDRINUSE" not in out or attempt == 2:
+            break
     if proc.returncode != 0:
-        tail = (proc.stdout + proc.stderr)[-6000:]
-        raise AssertionError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{tail}")
+        raise AssertionError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{out[-6000:]}")
     return proc
