@@ -92,6 +92,8 @@ def _held_bytes(policy) -> dict:
     a parameter's own storage) counts from its creation until it is freed (weakref finalizers). Also counts the
     object (pickling) collectives and the tensor broadcasts issued, and the factors each ``iter_lora`` call
     gathers."""
+    import gc
+    import time
     import weakref
 
     import torch.distributed as dist
@@ -139,6 +141,12 @@ def _held_bytes(policy) -> dict:
             n_chunks += 1
             del chunk  # the consumer lets go before asking for the next
         dist.barrier()  # gloo keeps the tensor of a rank's last collective until its next one
+        # ... and its work objects let go on their own time (a loaded CI box once saw 256 B still held right after
+        # the barrier): "nothing left behind" means gone within seconds, not at this instant
+        deadline = time.monotonic() + 5.0
+        while live["now"] and time.monotonic() < deadline:
+            gc.collect()
+            time.sleep(0.01)
     finally:
         mp._export_copy, mp._export_buffer, mlora.iter_lora = orig["copy"], orig["buffer"], orig["iter"]
         for fn, f in originals.items():
