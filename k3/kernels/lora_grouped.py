@@ -20,8 +20,8 @@ pass over the wide operand, the rank-r operand and the per-expert factor staying
 bytes moved at K3's EP8 shapes (16,352 rows, latent 3584, width 3072, r 32, bf16): ~0.85 GB for the adapter's
 forward and ~1.2 GB for its backward, ~0.5 ms at the H200's measured 4.3 TB/s copy rate against the base's
 8.6 ms forward+backward, i.e. ~6%. Measured on the H200 (``bench/gpu_lora_kernels.py``, CUDA-graph replays): each
-kernel moves its bytes at 70-82% of a D2D copy's rate; the module's forward+backward is +8.2-9.2% over the
-frozen experts' when calls run back to back, +10.2-10.4% timed from an idle device (3 runs; docs/PERFORMANCE.md).
+kernel moves its bytes at 65-82% of a D2D copy's rate (two runs); the module's forward+backward is +8.2-9.2% over
+the frozen experts' when calls run back to back, +10.2-10.4% timed from an idle device (3 runs; docs/PERFORMANCE.md).
 
 Tiling. ``expand_add_`` and ``contract`` tile the rows by expert: a tile is ``BLOCK_M`` rows of one expert
 (the last tile of an expert is partial). The tile -> (expert, row start, row end) schedule is built on the device
@@ -538,9 +538,7 @@ def contract(h: torch.Tensor | Pair, A: torch.Tensor | Pair, counts: torch.Tenso
         out = h0.new_empty(h0.shape[0], A0.shape[1])
     given = out
     t, pair_offsets, calls = _pairs(name, h=h, A=A, out=out)
-    h, A, out = t["h"], t["A"], t["out"]
-    if A.shape[2] != h.shape[1]:
-        raise ValueError(f"{name}: h {tuple(h.shape)}, A {tuple(A.shape)}: expected h [rows, K], A [E, r, K]")
+    h, A, out = t["h"], t["A"], t["out"]  # the first call's: their shapes were checked above
     rows, K = h.shape
     r = A.shape[1]
     if tuple(out.shape) != (rows, r):
