@@ -98,7 +98,8 @@ class RunDirSource:
             event = json.loads(line.text)
         except json.JSONDecodeError as e:
             kind = "truncated line (no newline at the end of the finished file)" if line.partial else "not JSON"
-            run.problem(where, f"{kind}: {e.msg} at column {e.colno}; skipped")
+            # json's "Unterminated string starting at" already ends in "at": not "at at column"
+            run.problem(where, f"{kind}: {e.msg.removesuffix(' at')} at column {e.colno}; skipped")
             return
         if not isinstance(event, dict):
             run.problem(where, f"expected a JSON object, got {type(event).__name__}; skipped")

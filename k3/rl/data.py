@@ -153,7 +153,8 @@ def _iter_raw(path: Path) -> Iterable[tuple[str, object]]:
 
 def _validate(obj: object, prompt_key: str, label_key: str) -> tuple[dict | None, str | None]:
     if isinstance(obj, json.JSONDecodeError):
-        return None, f"not valid JSON ({obj.msg} at column {obj.colno})"
+        # json's "Unterminated string starting at" already ends in "at": not "at at column"
+        return None, f"not valid JSON ({obj.msg.removesuffix(' at')} at column {obj.colno})"
     if not isinstance(obj, dict):
         return None, f"expected a JSON object, got {type(obj).__name__}"
     key = prompt_key if prompt_key in obj else "messages" if prompt_key == "prompt" and "messages" in obj else None

@@ -322,3 +322,13 @@ def test_cli_offline_end_to_end(tmp_path):
     assert "k3 prepare-data: cannot download zhuzilin/dapo-math-17k" in p.stderr
     assert "--from-local FOLDER" in p.stderr
     assert data_mod.TASKS["dapo-math"].train in p.stderr
+
+
+def test_a_json_error_that_ends_in_at_reads_once(tmp_path):
+    """json's own message "Unterminated string starting at" must not become "… at at column 14"."""
+    p = tmp_path / "cut.jsonl"
+    p.write_text('{"prompt": "x')  # no newline: json then reports the open string
+    with pytest.raises(DataFormatError) as ei:
+        read_records(p)
+    assert f"{p}:1: not valid JSON (Unterminated string starting at column 12)" in str(ei.value)
+    assert "at at" not in str(ei.value)

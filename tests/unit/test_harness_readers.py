@@ -323,3 +323,10 @@ def test_wandb_framing_errors_are_reported(tmp_path):
     path.write_bytes(b"garbage")
     with pytest.raises(ReaderError, match="not a W&B transaction log"):
         _records(RunData(), path)
+
+
+def test_run_dir_json_error_that_ends_in_at_reads_once(tmp_path):
+    good = [json.dumps(e) for e in H.events(H.HEALTHY.but(ranks=1, rollouts=1, with_eval=False))]
+    path = H.write_run_dir(tmp_path / "run", H.HEALTHY, lines=[good[0], '{"event": "rollout', *good[1:]])
+    problems = [str(p) for p in read_run(path).problems]
+    assert "metrics.jsonl:2: not JSON: Unterminated string starting at column 11; skipped" in problems
