@@ -15,6 +15,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from harness.stall import StallRule
 from harness.verdict import EXIT_CODES, EXIT_INPUT
 
 app = typer.Typer(
@@ -219,10 +220,9 @@ def watch(
     raise typer.Exit(outcome.exit_code)
 
 
-def _stall_rule(default, multiple: float | None, allowance_minutes: float | None):
-    """The tier's stall rule with the command line's overrides; exit 4 on a value the rule cannot take."""
-    from harness.stall import StallRule
-
+def _stall_rule(default: StallRule, multiple: float | None, allowance_minutes: float | None) -> StallRule:
+    """The tier's stall rule with the command line's overrides (minutes → seconds); exit 4 on a value the rule
+    cannot take."""
     rule = StallRule(default.multiple if multiple is None else multiple,
                      default.startup_allowance_s if allowance_minutes is None else 60.0 * allowance_minutes)
     if rule.multiple != 0 and rule.multiple < 1:

@@ -13,7 +13,7 @@ from harness.run_data import RunData
 from harness.verdict import overall
 
 __all__ = ["STATUS_STYLE", "WIDE_RESULTS", "WIDE_CRITERIA", "results_table", "print_results", "print_problems",
-           "print_notes", "print_criteria_blocks", "numbers_text"]
+           "print_notes", "print_result_blocks", "print_criteria_blocks", "numbers_text"]
 
 STATUS_STYLE = {Status.PASS: "bold green", Status.FAIL: "bold red", Status.PENDING: "yellow",
                 Status.MISSING: "bold magenta"}
