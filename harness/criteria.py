@@ -48,7 +48,7 @@ from enum import StrEnum
 from typing import Any
 
 from harness.cycles import cycle_times
-from harness.run_data import Attempt, MemoryPoint, Point, RunData, config_text, normalize_phase
+from harness.run_data import ENDS, Attempt, MemoryPoint, Point, RunData, config_text, normalize_phase
 
 __all__ = [
     "Status",
@@ -512,10 +512,9 @@ def _missing_text(gaps: dict[int, list[int]], ranks: int) -> str:
     first = min(s for missing in gaps.values() for s in missing)
     lacking = sorted(r for r, missing in gaps.items() if first in missing)
     syncs = sorted({s for missing in gaps.values() for s in missing})
-    return (f"sync {first}: no reading of rank {lacking[0]}" + (f" (and {len(lacking) - 1} more)" if len(lacking) > 1
-                                                                else "")
-            + f"; {len(syncs)} sync(s) lack readings of {len(gaps)} of {ranks} rank(s), the criterion does not pass "
-            "on fewer")
+    more = f" (and {len(lacking) - 1} more)" if len(lacking) > 1 else ""
+    return (f"sync {first}: no reading of rank {lacking[0]}{more}; {len(syncs)} sync(s) lack readings of "
+            f"{len(gaps)} of {ranks} rank(s), the criterion does not pass on fewer")
 
 
 @dataclass(frozen=True)
@@ -758,7 +757,7 @@ def _attempt_spans(run: RunData) -> tuple[list[tuple[float, float]], str | None]
         times = [e.time for e in run.event_times if lo <= e.seq < hi]
         statuses = [s for s in run.status if lo <= s.seq < hi]
         for status in statuses:
-            if status.status in ("started", "finished", "failed") and status.time is None:
+            if status.status in ("started", *ENDS) and status.time is None:
                 return [], f"the {status.status} status ({status.where}) has no valid time"
         start = attempt.start_time if attempt is not None and attempt.start_time is not None else min(
             times, default=None)
@@ -771,7 +770,7 @@ def _attempt_spans(run: RunData) -> tuple[list[tuple[float, float]], str | None]
 def _completes_within(c: Criterion, run: RunData) -> Result:
     limit_s = c["max_minutes"] * 60.0
     last_status = run.status[-1] if run.status else None
-    ended = last_status if last_status is not None and last_status.status in ("finished", "failed") else None
+    ended = last_status if last_status is not None and last_status.status in ENDS else None
     rollouts = {e.rollout_id for e in run.event_times if e.event == "rollout"} or {
         i for m, s in run.scalars.items() if m.startswith("rollout/") for i in s}
     evidence: dict[str, Any] = {"max_minutes": c["max_minutes"], "rollouts": len(rollouts),

@@ -50,7 +50,7 @@ import math
 from dataclasses import dataclass
 
 from harness.cycles import EVAL_TIME, cycle_times
-from harness.run_data import ConfigEntry, EventTime, MemoryPoint, Point, RunData, StatusEntry, SyncPoint
+from harness.run_data import ENDS, ConfigEntry, EventTime, MemoryPoint, Point, RunData, StatusEntry, SyncPoint
 
 __all__ = ["CYCLE_PHASES", "PHASE_ORDER", "Phase", "cycle_phases", "current_phase"]
 
@@ -109,7 +109,7 @@ def current_phase(run: RunData) -> Phase:
     where = records[0].where
     status = next((r for r in records if isinstance(r, StatusEntry)), None)
     if status is not None:
-        if status.status in ("finished", "failed"):
+        if status.status in ENDS:
             return Phase("ended", status.status, where)
         return Phase("startup", "loading; the startup sync comes next", where)
     timed = next((r for r in records if isinstance(r, EventTime)), None)

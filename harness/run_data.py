@@ -36,10 +36,12 @@ __all__ = [
     "RunData",
     "normalize_phase",
     "config_text",
+    "STATUSES",
+    "ENDS",
 ]
 
 STATUSES = ("started", "resumed", "finished", "failed")
-ENDS = ("finished", "failed")
+ENDS = ("finished", "failed")  # the statuses that end an attempt (and the run, when they are the last)
 
 
 @dataclass(frozen=True)
@@ -182,8 +184,9 @@ class RunData:
     """All records of one run, in arrival order, plus indexed views of them.
 
     ``source`` names what was read (a directory or file), ``kind`` the reader. ``finished`` is set when the
-    source says the run ended (a ``status`` event ``finished`` or ``failed``); post-hoc sources leave it to
-    the caller (:func:`harness.readers.read_run` takes ``finished=``).
+    source says the run ended (a ``status`` event ``finished`` or ``failed``; a later ``started`` or
+    ``resumed`` makes it running again); post-hoc sources leave it to the caller
+    (:func:`harness.readers.read_run` takes ``finished=``).
     """
 
     source: str = ""
@@ -296,7 +299,7 @@ class RunData:
                 current.resumed = entry
                 self._supersede(current, entry.next_rollout)
             self.finished = False
-        else:  # finished / failed
+        elif entry.status in ENDS:
             self._current().end = entry
             self.finished = True
 
