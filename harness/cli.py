@@ -8,12 +8,14 @@ something PENDING or MISSING (MISSING never passes), 4 the spec or the run could
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
+from harness.stall import StallRule
 from harness.verdict import EXIT_CODES, EXIT_INPUT
 
 app = typer.Typer(
@@ -40,8 +42,8 @@ def _console():
     from rich.console import Console
 
     console = Console(highlight=False)
-    if not console.is_terminal:  # CI logs: no terminal width to fit, keep the table readable
-        console = Console(highlight=False, width=160)
+    if not console.is_terminal and not os.environ.get("COLUMNS", "").isdigit():
+        console = Console(highlight=False, width=160)  # CI logs: no terminal width to fit, keep tables wide
     return console
 
 
@@ -56,7 +58,12 @@ def _choose_tier(tier: str | None, run) -> tuple[object, str]:
 
     if tier is None:
         variant = run.config.get("model_variant")
-        tier = VARIANT_TIERS.get(variant.value if variant else "", "full")
+        if variant is None and run.config_problem is not None:
+            _fail_input(f"{run.config_problem}: the tier cannot be told from the run's model_variant; pass --tier")
+        if variant is not None and variant.value not in VARIANT_TIERS:
+            _fail_input(f"model_variant {variant.value!r} ({variant.where}) has no tier (known: "
+                        f"{', '.join(f'{v} → {t}' for v, t in VARIANT_TIERS.items())}); pass --tier")
+        tier = VARIANT_TIERS[variant.value] if variant is not None else "full"
     try:
         return load_tier(tier), tier
     except SpecError as e:
@@ -75,13 +82,18 @@ def _criteria(tier_obj, profile: str | None):
 
 
 def _read(run_path: Path, finished: bool | None):
-    from harness.readers import ReaderError, read_run
+    """The run at ``run_path``; exit 4 when it cannot be read or nothing in it is recognised."""
+    from harness.readers import ReaderError, expected_input, read_run
 
     try:
-        return read_run(run_path, finished=finished)
+        data = read_run(run_path, finished=finished)
     except ReaderError as e:
         _fail_input(str(e))
         raise
+    if data.events == 0:
+        skipped = f" ({len(data.problems)} line(s) could not be used)" if data.problems else ""
+        _fail_input(f"{run_path}: nothing recognised in it{skipped}; expected {expected_input(data.kind)}")
+    return data
 
 
 @app.command()
@@ -110,7 +122,8 @@ def check(
     if json_out is not None:
         json_out.write_text(json.dumps({"run": str(run), "tier": tier_name, "profile": profile,
                                         "finished": data.finished, "results": [r.to_dict() for r in results],
-                                        "problems": [str(p) for p in data.problems]}, indent=2, default=str))
+                                        "notes": data.notes(), "problems": [str(p) for p in data.problems]},
+                                       indent=2, default=str))
     if summary is not None:
         _append(summary, markdown_summary(results, data, tier_obj, profile))
     raise typer.Exit(exit_code(results))
@@ -127,9 +140,16 @@ def watch(
     poll: Annotated[float, typer.Option("--poll", help="seconds between reads of the run")] = 5.0,
     timeout: Annotated[Optional[float], typer.Option(
         "--timeout", help="give up after this many seconds (exit 3 unless something failed)")] = None,
+    stall_multiple: Annotated[Optional[float], typer.Option(
+        "--stall-multiple", help="fail the run when it writes no event for this many median cycles (default: "
+        "the tier's [watch] stall_multiple; 0: never)")] = None,
+    startup_allowance: Annotated[Optional[float], typer.Option(
+        "--startup-allowance", help="minutes of silence allowed before the first cycle closes, and after a "
+        "resume (default: the tier's [watch] startup_allowance_minutes)")] = None,
     summary: SummaryOpt = None,
 ) -> None:
-    """Follow a live RUN, re-judge it on every new event, stop (and run --kill-cmd) on the first hard FAIL.
+    """Follow a live RUN, re-judge it on every new event, stop (and run --kill-cmd) on the first hard FAIL, or
+    when the run writes nothing for --stall-multiple median cycles (by the clock).
 
     PENDING until the data arrives; ends when the run's status says finished (or failed), with the verdict
     as exit code.
@@ -149,6 +169,7 @@ def watch(
     except SpecError as e:
         _fail_input(str(e))
         raise
+    stall = _stall_rule(tier_obj.stall, stall_multiple, startup_allowance)
     previous: list = []
 
     def on_update(results, data) -> None:
@@ -164,7 +185,7 @@ def watch(
 
     try:
         watcher = Watcher(run, criteria, kill_cmd=kill_cmd, poll_s=poll, timeout_s=timeout, on_update=on_update,
-                          on_wait=lambda message: console.print(Text(message, style="dim")))
+                          on_wait=lambda message: console.print(Text(message, style="dim")), stall=stall)
         outcome = watcher.run()
     except (ReaderError, ValueError) as e:
         _fail_input(str(e))
@@ -175,6 +196,11 @@ def watch(
         for r in outcome.failures:
             console.print(Text(f"  {r.id}: {r.summary}" + (f"  [{r.where}]" if r.where else "")))
             console.print(Text(f"    {r.criterion.doc}", style="dim"))
+    if outcome.quiet_end:
+        console.print(Text(f"\nENDED OR STUCK (the log does not say which; judged as it stands): {outcome.stall}",
+                           style="bold yellow"))
+    elif outcome.stall is not None:
+        console.print(Text(f"\nSTALLED: {outcome.stall}", style="bold red"))
     if outcome.kill is not None:
         k = outcome.kill
         style = "bold" if k.returncode == 0 else "bold red"
@@ -183,11 +209,27 @@ def watch(
             console.print(Text(k.output, style="dim"))
     if outcome.timed_out:
         console.print(Text(f"timed out after {timeout} s", style="yellow"))
-    state = f"as of {outcome.failed_where}" if outcome.failed_at is not None else "watch"
+    state = (f"as of {outcome.failed_where}" if outcome.failed_at is not None else
+             "stalled" if outcome.stall is not None else "watch")
     print_results(console, outcome.results, outcome.run, f"{tier_obj.title} — {run} ({state})")
     if summary is not None:
-        _append(summary, markdown_summary(outcome.results, outcome.run, tier_obj, profile))
+        text = markdown_summary(outcome.results, outcome.run, tier_obj, profile)
+        if outcome.stall is not None:
+            text += f"\n**{'Ended or stuck' if outcome.quiet_end else 'Stalled'}:** {outcome.stall}\n"
+        _append(summary, text)
     raise typer.Exit(outcome.exit_code)
+
+
+def _stall_rule(default: StallRule, multiple: float | None, allowance_minutes: float | None) -> StallRule:
+    """The tier's stall rule with the command line's overrides (minutes → seconds); exit 4 on a value the rule
+    cannot take."""
+    rule = StallRule(default.multiple if multiple is None else multiple,
+                     default.startup_allowance_s if allowance_minutes is None else 60.0 * allowance_minutes)
+    if rule.multiple != 0 and rule.multiple < 1:
+        _fail_input(f"--stall-multiple must be ≥ 1 (or 0: never fail a silent run), got {rule.multiple:g}")
+    if rule.startup_allowance_s <= 0:
+        _fail_input(f"--startup-allowance must be a positive number of minutes, got {allowance_minutes:g}")
+    return rule
 
 
 @app.command()
@@ -229,6 +271,7 @@ def list_criteria(
     from rich.table import Table
     from rich.text import Text
 
+    from harness.table import WIDE_CRITERIA, numbers_text, print_criteria_blocks
     from harness.tier import SpecError, load_tier
 
     try:
@@ -236,20 +279,27 @@ def list_criteria(
     except SpecError as e:
         _fail_input(str(e))
         raise
-    table = Table(title=f"{tier_obj.title} ({tier_obj.path})", show_lines=True)
-    table.add_column("id", style="cyan", no_wrap=True)
-    table.add_column("kind", no_wrap=True)
-    table.add_column("metric", overflow="fold")
-    table.add_column("window", no_wrap=True)
-    table.add_column("numbers", no_wrap=True)
-    table.add_column("doc", ratio=1, overflow="fold")
-    for c in tier_obj.criteria:
-        numbers = "\n".join(f"{k} = {v}" for k, v in c.params.items() if v is not None)
-        profile = f"\n[profile {c.profile}]" if c.profile else ""
-        table.add_row(Text(c.id + profile), c.kind, Text(" | ".join(c.metrics)), str(c.window), Text(numbers),
-                      Text(c.doc))
     console = _console()
-    console.print(table)
+    title = f"{tier_obj.title} ({tier_obj.path})"
+    if console.width < WIDE_CRITERIA:  # six columns do not fit: one block per criterion, every sentence whole
+        print_criteria_blocks(console, tier_obj.criteria, title)
+    else:
+        table = Table(title=title, show_lines=True)
+        table.add_column("id", style="cyan", no_wrap=True)
+        table.add_column("kind", no_wrap=True)
+        table.add_column("metric", overflow="fold")
+        table.add_column("window", no_wrap=True)
+        table.add_column("numbers", no_wrap=True)
+        table.add_column("doc", ratio=1, overflow="fold")
+        for c in tier_obj.criteria:
+            profile = f"\n[profile {c.profile}]" if c.profile else ""
+            table.add_row(Text(c.id + profile), c.kind, Text(" | ".join(c.metrics)), str(c.window),
+                          Text(numbers_text(c, "\n")), Text(c.doc))
+        console.print(table)
+    rule = tier_obj.stall
+    console.print(Text(f"watch: fails a run silent for {rule.multiple:g} × its median cycle, or "
+                       f"{rule.startup_allowance_s / 60:g} min before its first cycle ([watch] of the spec)"
+                       if rule.enabled else "watch: stall detection off ([watch] of the spec)", style="dim"))
     console.print(Text("exit codes: " + "; ".join(f"{k} {v}" for k, v in EXIT_CODES.items()), style="dim"))
 
 

@@ -11,12 +11,17 @@ band                  ``lo``, ``hi`` (either may be left out), ``reduce`` = each
                       ``lo_count`` / ``hi_count`` (judge as solved counts of ``n``)
 rise_by               ``min_rise``; ``n`` with ``min_rise_count``; window = [from, to] (to −1: the last)
 returns_to_baseline   ``tolerance_gb``, ``phase``, ``side`` = both | above, ``baseline_gb`` (absolute),
-                      ``min_syncs``; per rank, per sync; baseline = the rank's first value in the window
-no_growth             ``max_slope_gb_per_sync``, ``phase``, ``min_points``; least-squares slope per rank
+                      ``min_syncs``; per rank, per sync; baseline = the rank's first reading in the window
+                      after its attempt's first optimizer step; startup syncs (before it) only not above
+no_growth             ``max_slope_gb_per_sync``, ``phase``, ``min_points``; least-squares slope per rank of
+                      the readings after training, each relative to its attempt's baseline
 config_equals         ``value``: the resolved value of the config name in ``metric``, as Megatron prints it
 cycle_time_within     ``lo``, ``hi``, ``unit`` = s | min, ``allowed_outside``; see :mod:`harness.cycles`
-completes_within      ``max_minutes``, ``min_rollouts``: from the ``started`` to the ``finished`` status
-advances              ``step``: the adapter version goes up by exactly ``step`` at every sync
+completes_within      ``max_minutes``, ``min_rollouts``: from the ``started`` to the ``finished`` status,
+                      summed over attempts (a resumed run's downtime is not run time)
+advances              ``step``: the adapter version goes up by exactly ``step`` at every sync; an
+                      attempt's first sync delivers the saved version + ``step`` after a resume (1 after
+                      a start over)
 ====================  ===============================================================================
 
 ``window`` is ``"all"`` or ``[first, last]`` (inclusive; ``last = -1``: open-ended) over rollout ids
@@ -26,6 +31,11 @@ Each evaluation is a :class:`Result`: PASS, FAIL, PENDING (not far enough yet: m
 it) or MISSING (the run is over and the data is not there). ``final`` says whether more data can change
 it — a FAIL that is final is what the live watch aborts on. A criterion over an open-ended window is PENDING
 until the run is finished, even when every value so far is good.
+
+Evidence rules: a NaN or infinite number a criterion reads (a value, a logged count, a memory reading, a cycle
+time) makes it FAIL; an event time that is not a number is dropped by the reader, so what needed it is MISSING.
+A weight sync that some rank has no memory reading for makes the memory criteria MISSING (they do not pass on
+fewer syncs), and a run that was resumed is judged on every attempt (:mod:`harness.run_data`).
 """
 
 from __future__ import annotations
@@ -38,7 +48,7 @@ from enum import StrEnum
 from typing import Any
 
 from harness.cycles import cycle_times
-from harness.run_data import MemoryPoint, Point, RunData, config_text, normalize_phase
+from harness.run_data import ENDS, Attempt, MemoryPoint, Point, RunData, config_text, normalize_phase
 
 __all__ = [
     "Status",
@@ -311,21 +321,29 @@ def _band_text(lo: float | None, hi: float | None) -> str:
 
 
 def _in_band(x: float, lo: float | None, hi: float | None) -> bool:
-    return not math.isnan(x) and (lo is None or x >= lo - 1e-12) and (hi is None or x <= hi + 1e-12)
+    return math.isfinite(x) and (lo is None or x >= lo - 1e-12) and (hi is None or x <= hi + 1e-12)
+
+
+class BrokenCount(ValueError):
+    """A logged solved count (``<metric>/n_correct`` or ``<metric>/n``) that is not a finite number."""
 
 
 def _count_of(run: RunData, metric: str, point: Point, n: int) -> tuple[int | None, str]:
     """Solved count of an accuracy point: logged ``<metric>/n_correct`` when there, else value × n.
 
-    Returns (count or None when it cannot be a count of n, a note).
+    Returns (count or None when it cannot be a count of n, a note); :class:`BrokenCount` when a logged count is
+    NaN or infinite (broken evidence fails, it is not worked around).
     """
     logged = run.series(f"{metric}/n_correct").get(point.index)
     logged_n = run.series(f"{metric}/n").get(point.index)
+    for name, entry in ((f"{metric}/n", logged_n), (f"{metric}/n_correct", logged)):
+        if entry is not None and not math.isfinite(entry.value):
+            raise BrokenCount(f"{name} is {entry.value} ({entry.where})")
     if logged_n is not None and int(logged_n.value) != n:
         return None, f"the run logged n = {int(logged_n.value)}, not {n}: judged on the value"
     if logged is not None:
         return int(round(logged.value)), ""
-    if math.isnan(point.value):
+    if not math.isfinite(point.value):
         return None, ""
     k = point.value * n
     if abs(k - round(k)) > 0.02:
@@ -365,7 +383,11 @@ def _band(c: Criterion, run: RunData) -> Result:
     for i, p in sorted(series.items()):
         count = None
         if n is not None:
-            count, note = _count_of(run, metric, p, n)
+            try:
+                count, note = _count_of(run, metric, p, n)
+            except BrokenCount as e:
+                evidence |= {"failing_index": i, "value": p.value, "counts": counts}
+                return Result(c, Status.FAIL, f"{label}@{i}: {e}", True, evidence, p.where)
             if note:
                 notes.append(f"{label}@{i}: {note}")
             if count is not None:
@@ -431,8 +453,11 @@ def _rise_by(c: Criterion, run: RunData) -> Result:
     n = c["n"]
     text_values = f"{label}@{start} {_fmt(first.value)} → {label}@{end} {_fmt(last.value)}"
     if n is not None:
-        k0, note0 = _count_of(run, metric, first, n)
-        k1, note1 = _count_of(run, metric, last, n)
+        try:
+            k0, note0 = _count_of(run, metric, first, n)
+            k1, note1 = _count_of(run, metric, last, n)
+        except BrokenCount as e:
+            return Result(c, Status.FAIL, f"{text_values}: {e}", True, evidence, last.where)
         evidence["notes"] = [x for x in (note0, note1) if x]
         if k0 is not None and k1 is not None:
             evidence |= {"from_count": k0, "to_count": k1, "rise_count": k1 - k0}
@@ -441,7 +466,7 @@ def _rise_by(c: Criterion, run: RunData) -> Result:
                     f"{k1 - k0:+d} of {n} ({_fmt(rise, 3)}) {'≥' if ok else '<'} +{c['min_rise_count']} "
                     f"(+{_fmt(c['min_rise'])} as printed)")
             return Result(c, Status.PASS if ok else Status.FAIL, text, True, evidence, last.where)
-    ok = not math.isnan(rise) and rise >= c["min_rise"] - 1e-12
+    ok = math.isfinite(rise) and rise >= c["min_rise"] - 1e-12
     text = f"{text_values}: {rise:+.3f} {'≥' if ok else '<'} +{_fmt(c['min_rise'])}"
     return Result(c, Status.PASS if ok else Status.FAIL, text, True, evidence, last.where)
 
@@ -457,63 +482,154 @@ def _memory_series(c: Criterion, run: RunData) -> tuple[str, dict[int, dict[int,
     return c.metric, {}
 
 
-def _coverage_gaps(by_rank: dict[int, dict[int, MemoryPoint]], finished: bool) -> dict[int, list[int]]:
-    """Ranks missing syncs that other ranks logged. While running, the newest sync may still be arriving."""
-    all_syncs = sorted({s for syncs in by_rank.values() for s in syncs})
-    if not finished and all_syncs:
-        all_syncs = all_syncs[:-1]
-    return {r: missing for r, syncs in by_rank.items() if (missing := [s for s in all_syncs if s not in syncs])}
+def _coverage_gaps(c: Criterion, run: RunData, by_rank: dict[int, dict[int, MemoryPoint]]) -> dict[int, list[int]]:
+    """Ranks without a reading at syncs the run logged (a ``sync`` event, or another rank's reading).
+
+    Excused: the last sync of an attempt that ended without a finished or failed status (killed mid-sync: the
+    readings of the ranks that got theirs out are still judged) and, while the run goes on, the newest sync
+    (its readings may still be arriving).
+    """
+    attempt_of: dict[int, int] = {}
+    for syncs in by_rank.values():
+        for s, p in syncs.items():
+            attempt_of[s] = p.attempt
+    for sp in run.syncs:
+        if c.window.contains(sp.index):
+            attempt_of.setdefault(sp.index, sp.attempt)
+    required = set(attempt_of)
+    for attempt in run.attempts:
+        own = [s for s, a in attempt_of.items() if a == attempt.index]
+        logs_statuses = attempt.started or attempt.resumed is not None  # else no end status is expected either
+        if logs_statuses and attempt.end is None and own:
+            required.discard(max(own))
+    if not run.finished and attempt_of:
+        required.discard(max(attempt_of))
+    return {r: missing for r, syncs in sorted(by_rank.items())
+            if (missing := sorted(s for s in required if s not in syncs))}
+
+
+def _missing_text(gaps: dict[int, list[int]], ranks: int) -> str:
+    first = min(s for missing in gaps.values() for s in missing)
+    lacking = sorted(r for r, missing in gaps.items() if first in missing)
+    syncs = sorted({s for missing in gaps.values() for s in missing})
+    more = f" (and {len(lacking) - 1} more)" if len(lacking) > 1 else ""
+    return (f"sync {first}: no reading of rank {lacking[0]}{more}; {len(syncs)} sync(s) lack readings of "
+            f"{len(gaps)} of {ranks} rank(s), the criterion does not pass on fewer")
+
+
+@dataclass(frozen=True)
+class _Judged:
+    """One memory reading against its reference: the attempt's baseline (or the absolute level)."""
+
+    point: MemoryPoint
+    reference: float  # GiB
+    deviation: float  # GiB, value − reference (NaN when either is not finite)
+
+    @property
+    def bad_number(self) -> bool:
+        return not math.isfinite(self.deviation)
+
+
+def _judge_memory(by_rank: dict[int, dict[int, MemoryPoint]], absolute: float | None
+                  ) -> tuple[list[_Judged], list[tuple[int, int]]]:
+    """Every reading against its reference; and the (rank, sync) readings with none yet.
+
+    The reference of a reading is ``absolute`` when given, else its rank's baseline in its attempt: the rank's
+    first reading of that attempt that is not a startup one (the first sync after the attempt's first
+    optimizer step). A startup reading of an attempt with no later reading has no baseline yet.
+    """
+    judged, unjudged = [], []
+    for r, syncs in by_rank.items():
+        baseline: dict[int, float] = {}
+        for s in sorted(syncs):
+            p = syncs[s]
+            if not p.startup and p.attempt not in baseline:
+                baseline[p.attempt] = absolute if absolute is not None else p.value
+        for s in sorted(syncs):
+            p = syncs[s]
+            ref = absolute if absolute is not None else baseline.get(p.attempt)
+            if ref is None:
+                unjudged.append((r, s))
+                continue
+            dev = p.value - ref if math.isfinite(p.value) and math.isfinite(ref) else math.nan
+            judged.append(_Judged(p, ref, dev))
+    return judged, unjudged
 
 
 def _returns_to_baseline(c: Criterion, run: RunData) -> Result:
+    """Per rank and attempt: startup syncs not above the baseline (+ tolerance); every later sync within it."""
     metric, by_rank = _memory_series(c, run)
     tol, side, absolute = c["tolerance_gb"], c["side"], c["baseline_gb"]
     phase = normalize_phase(c["phase"])
     if not by_rank or not any(by_rank.values()):
         return _not_yet(c, run, f"no {metric} at {phase}", metric=metric, phase=phase)
-    n_syncs = len({s for syncs in by_rank.values() for s in syncs})
-    baselines = {r: (absolute if absolute is not None else syncs[min(syncs)].value)
-                 for r, syncs in by_rank.items() if syncs}
-    failures: list[tuple[int, int, MemoryPoint, float]] = []  # (sync, rank, point, deviation)
-    worst: tuple[float, int, int] | None = None  # (|deviation|, rank, sync)
-    for r, syncs in by_rank.items():
-        for s, p in syncs.items():
-            dev = p.value - baselines[r]
-            if worst is None or abs(dev) > worst[0]:
-                worst = (abs(dev), r, s)
-            if math.isnan(dev) or dev > tol + 1e-9 or (side == "both" and dev < -tol - 1e-9):
-                failures.append((s, r, p, dev))
-    values = sorted(baselines.values())
+    judged, unjudged = _judge_memory(by_rank, absolute)
+    later = [j for j in judged if not j.point.startup]
+    startup = [j for j in judged if j.point.startup]
+    failures = [j for j in judged if j.bad_number or j.deviation > tol + 1e-9 or (
+        not j.point.startup and side == "both" and j.deviation < -tol - 1e-9)]
+    n_syncs = len({j.point.sync for j in later})
+    startup_syncs = sorted({p.sync for syncs in by_rank.values() for p in syncs.values() if p.startup})
+    references = sorted({j.reference for j in later if math.isfinite(j.reference)})
     evidence: dict[str, Any] = {
         "metric": metric, "phase": phase, "ranks": len(by_rank), "syncs": n_syncs, "tolerance_gb": tol,
-        "baseline": "absolute" if absolute is not None else "first value per rank",
-        "baseline_gb_min": values[0], "baseline_gb_max": values[-1],
+        "baseline": "absolute" if absolute is not None else
+        "per rank and attempt: its reading after the first sync that follows the first optimizer step",
+        "startup_syncs": startup_syncs, "attempts": len({j.point.attempt for j in judged}) or 1,
     }
+    if references:
+        evidence |= {"baseline_gb_min": references[0], "baseline_gb_max": references[-1]}
+    worst = max((j for j in later if not j.bad_number), key=lambda j: abs(j.deviation), default=None)
     if worst is not None:
-        evidence |= {"worst_deviation_gb": worst[0], "worst_rank": worst[1], "worst_sync": worst[2]}
+        evidence |= {"worst_deviation_gb": abs(worst.deviation), "worst_rank": worst.point.rank,
+                     "worst_sync": worst.point.sync}
+    highest = max((j for j in startup if not j.bad_number), key=lambda j: j.deviation, default=None)
+    if highest is not None:
+        evidence |= {"startup_highest_deviation_gb": highest.deviation, "startup_highest_rank": highest.point.rank,
+                     "startup_highest_sync": highest.point.sync}
+    if unjudged:
+        evidence["unjudged"] = [f"rank {r} sync {s}" for r, s in unjudged[:20]]
     reference = f"{_fmt(absolute, 2)} GB" if absolute is not None else "baseline"
     if failures:
-        s, r, p, dev = min(failures, key=lambda f: (f[0], f[1]))
-        failing_ranks = sorted({f[1] for f in failures})
-        evidence |= {"first_failing_sync": s, "first_failing_rank": r, "value_gb": p.value,
-                     "baseline_gb": baselines[r], "deviation_gb": dev, "failing_ranks": failing_ranks,
-                     "failing_points": len(failures)}
-        against = reference if absolute is not None else f"baseline {_fmt(baselines[r], 2)} GB"
-        text = (f"rank {r} after sync {s}: {_fmt(p.value, 2)} GB vs {against} ({dev:+.2f} GB, tolerance "
-                f"±{_fmt(tol, 2)} GB); {len(failing_ranks)} of {len(by_rank)} ranks fail")
+        first = min(failures, key=lambda j: (j.point.sync, j.point.rank))
+        p, dev = first.point, first.deviation
+        failing_ranks = sorted({j.point.rank for j in failures})
+        evidence |= {"first_failing_sync": p.sync, "first_failing_rank": p.rank, "value_gb": p.value,
+                     "baseline_gb": first.reference, "deviation_gb": dev, "failing_ranks": failing_ranks,
+                     "failing_points": len(failures), "first_failing_is_startup": p.startup}
+        against = reference if absolute is not None else f"baseline {_fmt(first.reference, 2)} GB"
+        at = f"at startup sync {p.sync}" if p.startup else f"after sync {p.sync}"
+        if first.bad_number:
+            broken = (f"the reading is {_fmt(p.value)} GB" if not math.isfinite(p.value) else
+                      f"its baseline is {_fmt(first.reference)} GB")
+            text = f"rank {p.rank} {at}: {broken}, not a number to judge"
+        elif p.startup:
+            text = (f"rank {p.rank} {at}: {_fmt(p.value, 2)} GB is above {against} ({dev:+.2f} GB; a startup "
+                    f"sync may be at most +{_fmt(tol, 2)} GB above it)")
+        else:
+            text = (f"rank {p.rank} {at}: {_fmt(p.value, 2)} GB vs {against} ({dev:+.2f} GB, tolerance "
+                    f"±{_fmt(tol, 2)} GB)")
+        text += f"; {len(failing_ranks)} of {len(by_rank)} ranks fail"
         return Result(c, Status.FAIL, text, True, evidence, p.where)
     if n_syncs < c["min_syncs"]:
-        return _not_yet(c, run, f"{n_syncs} sync(s) of {len(by_rank)} rank(s); needs {c['min_syncs']}", **evidence)
-    gaps = _coverage_gaps(by_rank, run.finished)
+        return _not_yet(c, run, f"{n_syncs} sync(s) after training of {len(by_rank)} rank(s); needs "
+                        f"{c['min_syncs']}", **evidence)
+    gaps = _coverage_gaps(c, run, by_rank)
     if gaps and run.finished:
         evidence["missing"] = {str(r): s for r, s in gaps.items()}
-        r0 = min(gaps)
-        return Result(c, Status.MISSING, f"{len(gaps)} rank(s) lack syncs others logged (rank {r0}: sync "
-                      f"{gaps[r0][0]}{'…' if len(gaps[r0]) > 1 else ''})", True, evidence)
+        return Result(c, Status.MISSING, _missing_text(gaps, len(by_rank)), True, evidence)
     text = (f"{len(by_rank)} ranks × {n_syncs} syncs within ±{_fmt(tol, 2)} GB of {reference}"
-            + (f" (worst {worst[0]:.2f} GB: rank {worst[1]}, sync {worst[2]})" if worst else ""))
+            + (f" (worst {abs(worst.deviation):.2f} GB: rank {worst.point.rank}, sync {worst.point.sync})"
+               if worst else ""))
+    if highest is not None:
+        lowest = min((j for j in startup if not j.bad_number), key=lambda j: j.deviation)
+        text += (f"\nstartup sync{'s' if len(startup_syncs) > 1 else ''} {', '.join(map(str, startup_syncs))}: not "
+                 f"above {reference} + {_fmt(tol, 2)} GB (from {lowest.deviation:+.2f} to {highest.deviation:+.2f} GB)")
+    if unjudged:
+        text += f"\n{len(unjudged)} startup reading(s) of attempts with no later sync: no baseline to judge them by"
     if c.window.open and not run.finished:
-        return Result(c, Status.PENDING, text + " so far", False, evidence)
+        head, _, rest = text.partition("\n")
+        return Result(c, Status.PENDING, head + " so far" + ("\n" + rest if rest else ""), False, evidence)
     return Result(c, Status.PASS, text, True, evidence)
 
 
@@ -527,24 +643,37 @@ def least_squares_slope(xs: list[float], ys: list[float]) -> float:
 
 
 def _no_growth(c: Criterion, run: RunData) -> Result:
+    """Least-squares slope per rank of the readings after training (startup syncs left out: the optimizer
+    state is not there yet), each relative to its attempt's baseline so that a resume's new level is no trend."""
     metric, by_rank = _memory_series(c, run)
     phase, limit, need = normalize_phase(c["phase"]), c["max_slope_gb_per_sync"], c["min_points"]
-    slopes: dict[int, float] = {}
-    for r, syncs in by_rank.items():
-        if len(syncs) >= need:
-            order = sorted(syncs)
-            slopes[r] = least_squares_slope([float(s) for s in order], [syncs[s].value for s in order])
     evidence: dict[str, Any] = {"metric": metric, "phase": phase, "max_slope_gb_per_sync": limit,
-                                "ranks": len(by_rank), "ranks_with_enough_points": len(slopes)}
+                                "ranks": len(by_rank)}
+    judged, _ = _judge_memory(by_rank, None)
+    bad = [j for j in judged if not j.point.startup and j.bad_number]
+    if bad:
+        p = min(bad, key=lambda j: (j.point.sync, j.point.rank)).point
+        evidence |= {"first_failing_sync": p.sync, "first_failing_rank": p.rank}
+        return Result(c, Status.FAIL, f"rank {p.rank} after sync {p.sync}: the reading is {_fmt(p.value)} GB, not a "
+                      "number to fit a slope to", True, evidence, p.where)
+    points: dict[int, list[tuple[float, float]]] = {}
+    for j in judged:
+        if not j.point.startup:
+            points.setdefault(j.point.rank, []).append((float(j.point.sync), j.deviation))
+    slopes: dict[int, float] = {}
+    for r, xy in points.items():
+        if len(xy) >= need:
+            slopes[r] = least_squares_slope([x for x, _ in xy], [y for _, y in xy])
+    evidence["ranks_with_enough_points"] = len(slopes)
     if not slopes:
-        most = max((len(s) for s in by_rank.values()), default=0)
-        return _not_yet(c, run, f"{most} sync(s) per rank; the slope needs {need}", **evidence)
+        most = max((len(xy) for xy in points.values()), default=0)
+        return _not_yet(c, run, f"{most} sync(s) after training per rank; the slope needs {need}", **evidence)
     worst_rank = max(slopes, key=lambda r: slopes[r])
     worst = slopes[worst_rank]
     evidence |= {"worst_rank": worst_rank, "worst_slope_gb_per_sync": worst,
                  "growing_ranks": sorted(r for r, s in slopes.items() if s > limit)}
     ok = worst <= limit + 1e-12
-    text = (f"steepest: rank {worst_rank} {worst:+.4f} GB/sync over {len(by_rank[worst_rank])} syncs "
+    text = (f"steepest: rank {worst_rank} {worst:+.4f} GB/sync over {len(points[worst_rank])} syncs "
             f"({'≤' if ok else '>'} {_fmt(limit, 4)})")
     if not ok:
         # A trend can still flatten out: final only once the run is over.
@@ -553,6 +682,10 @@ def _no_growth(c: Criterion, run: RunData) -> Result:
         return (Result(c, Status.PENDING, text + " so far", False, evidence) if not run.finished else
                 Result(c, Status.MISSING, f"{len(by_rank) - len(slopes)} rank(s) with fewer than {need} syncs",
                        True, evidence))
+    gaps = _coverage_gaps(c, run, by_rank)
+    if gaps:
+        evidence["missing"] = {str(r): s for r, s in gaps.items()}
+        return Result(c, Status.MISSING, _missing_text(gaps, len(by_rank)), True, evidence)
     return Result(c, Status.PASS, text, True, evidence)
 
 
@@ -612,38 +745,92 @@ def _cycle_time_within(c: Criterion, run: RunData) -> Result:
 
 
 # --- completion -------------------------------------------------------------------------------------------
+def _attempt_spans(run: RunData) -> tuple[list[tuple[float, float]], str | None]:
+    """(start, end) unix seconds of each attempt: from its started (or resumed) status, else its first timed
+    event, to its finished / failed status, else its last timed event. Time between attempts (a killed run
+    waiting for its resume) is no run time. The second value names a status whose time is not a number."""
+    bounds = [a.seq for a in run.attempts] or [0]
+    bounds[0] = 0
+    spans: list[tuple[float, float]] = []
+    for i, attempt in enumerate(run.attempts or [None]):
+        lo, hi = bounds[i], bounds[i + 1] if i + 1 < len(bounds) else run.events
+        times = [e.time for e in run.event_times if lo <= e.seq < hi]
+        statuses = [s for s in run.status if lo <= s.seq < hi]
+        for status in statuses:
+            if status.status in ("started", *ENDS) and status.time is None:
+                return [], f"the {status.status} status ({status.where}) has no valid time"
+        start = attempt.start_time if attempt is not None and attempt.start_time is not None else min(
+            times, default=None)
+        end = attempt.end.time if attempt is not None and attempt.end is not None else max(times, default=None)
+        if start is not None and end is not None:
+            spans.append((start, end))
+    return spans, None
+
+
 def _completes_within(c: Criterion, run: RunData) -> Result:
     limit_s = c["max_minutes"] * 60.0
-    started = next((s for s in run.status if s.status == "started"), None)
-    ended = next((s for s in run.status if s.status in ("finished", "failed")), None)
-    start_time = started.time if started is not None else (run.event_times[0].time if run.event_times else None)
+    last_status = run.status[-1] if run.status else None
+    ended = last_status if last_status is not None and last_status.status in ENDS else None
     rollouts = {e.rollout_id for e in run.event_times if e.event == "rollout"} or {
         i for m, s in run.scalars.items() if m.startswith("rollout/") for i in s}
     evidence: dict[str, Any] = {"max_minutes": c["max_minutes"], "rollouts": len(rollouts),
-                                "min_rollouts": c["min_rollouts"]}
+                                "min_rollouts": c["min_rollouts"], "attempts": max(len(run.attempts), 1)}
     if ended is not None and ended.status == "failed":
         evidence["error"] = ended.error
         return Result(c, Status.FAIL, f"the run failed: {ended.error or 'no error message'}", True, evidence,
                       ended.where)
-    if start_time is None:
+    spans, broken = _attempt_spans(run)
+    if broken is not None:
+        evidence["broken"] = broken
+        return _not_yet(c, run, broken, **evidence)
+    if not spans:
         return _not_yet(c, run, "no start time (status or timed events)", **evidence)
-    last_time = ended.time if ended is not None and ended.time is not None else max(
-        (e.time for e in run.event_times), default=start_time)
-    elapsed = last_time - start_time
+    elapsed = sum(end - start for start, end in spans)
     evidence["minutes"] = elapsed / 60.0
+    earlier = [f"{a.label} {a.end.status}" + (f" ({a.end.error})" if a.end.error else "")
+               for a in run.attempts[:-1] if a.end is not None and a.end.status == "failed"]
+    resumed = f" over {len(spans)} attempts" if len(spans) > 1 else ""
+    if earlier:
+        evidence["earlier_failures"] = earlier
+        resumed += f" ({'; '.join(earlier)}; resumed)"
     if elapsed > limit_s:
         return Result(c, Status.FAIL, f"{_fmt(elapsed / 60, 2)} min > {_fmt(c['max_minutes'])} min "
-                      f"({len(rollouts)} rollouts)", True, evidence)
+                      f"({len(rollouts)} rollouts){resumed}", True, evidence)
     if ended is None:
-        return _not_yet(c, run, f"running for {_fmt(elapsed / 60, 2)} min, {len(rollouts)} rollouts", **evidence)
+        text = f"running for {_fmt(elapsed / 60, 2)} min by its events, {len(rollouts)} rollouts{resumed}"
+        last = max((e.time for e in run.event_times), default=None)
+        if run.read_at is not None and last is not None:
+            since = (run.read_at - last) / 60.0
+            evidence["minutes_since_last_event"] = since
+            text += (f"; last event {_fmt(since, 2)} min ago by the clock" if since >= 0 else
+                     f"; last event {_fmt(-since, 2)} min ahead of this machine's clock")
+        return _not_yet(c, run, text, **evidence)
     if len(rollouts) < c["min_rollouts"]:
         return Result(c, Status.FAIL, f"finished after {len(rollouts)} rollouts; needs ≥ {c['min_rollouts']}",
                       True, evidence, ended.where)
     return Result(c, Status.PASS, f"finished in {_fmt(elapsed / 60, 2)} min ≤ {_fmt(c['max_minutes'])} min, "
-                  f"{len(rollouts)} rollouts", True, evidence, ended.where)
+                  f"{len(rollouts)} rollouts{resumed}", True, evidence, ended.where)
 
 
 # --- adapter versions -------------------------------------------------------------------------------------
+def _version_after_start(run: RunData, attempt: Attempt, step: int) -> tuple[int | None, str]:
+    """The version an attempt's first sync must deliver, and why: after a resume at rollout R, the version the
+    earlier attempts held after training rollout R − 1 (what the checkpoint saved) + ``step``; after a start
+    over without a checkpoint, 1. None when the saved version is not in the run."""
+    if attempt.resumed is None or attempt.next_rollout == 0:
+        if attempt.resumed is not None and attempt.resumed.next_rollout is None:
+            return None, f"{attempt.label} resumed at an unlogged rollout"
+        return 1, f"{attempt.label} started over: version 1"
+    saved_rollout = attempt.next_rollout - 1
+    saved = [s for s in run.syncs if s.attempt < attempt.index and s.rollout_id == saved_rollout
+             and s.version is not None]
+    if not saved:
+        return None, (f"the version saved with rollout {saved_rollout} is not in the run (no sync after training "
+                      f"rollout {saved_rollout} before {attempt.label})")
+    version: int = saved[-1].version  # type: ignore[assignment]  # None filtered out above
+    return version + step, f"the resume at rollout {attempt.next_rollout}: saved version {version} + {step}"
+
+
 def _advances(c: Criterion, run: RunData) -> Result:
     syncs = [s for s in run.syncs if c.window.contains(s.index)]
     step = c["step"]
@@ -652,14 +839,34 @@ def _advances(c: Criterion, run: RunData) -> Result:
     if any(v is None for v in versions):
         bad = next(s for s in syncs if s.version is None)
         return Result(c, Status.FAIL, f"sync {bad.index} carries no adapter version", True, evidence, bad.where)
+    unknown: list[str] = []
+    starts: list[str] = []
     for previous, current in zip(syncs, syncs[1:]):
-        if current.version - previous.version != step:  # type: ignore[operator]
+        if current.attempt != previous.attempt and current.attempt < len(run.attempts):
+            expected, why = _version_after_start(run, run.attempts[current.attempt], step)
+            if expected is None:
+                unknown.append(f"sync {current.index}: {why}")
+                continue
+            starts.append(f"sync {current.index} v{current.version} ({why})")
+            if current.version != expected:
+                evidence |= {"first_failing_sync": current.index, "expected": expected}
+                return Result(c, Status.FAIL, f"sync {current.index}: version {current.version}, expected "
+                              f"{expected} ({why})", True, evidence, current.where)
+        elif current.version - previous.version != step:  # type: ignore[operator]
             evidence |= {"first_failing_sync": current.index}
             return Result(c, Status.FAIL, f"sync {current.index}: version {current.version} after "
                           f"{previous.version} (expected +{step})", True, evidence, current.where)
+    if starts:
+        evidence["attempt_starts"] = starts
     if len(syncs) < 2:
         return _not_yet(c, run, f"{len(syncs)} sync(s); needs 2", **evidence)
+    if unknown:
+        evidence["unverified"] = unknown
+        return _not_yet(c, run, f"{unknown[0]}: that sync's version cannot be checked", **evidence)
     text = f"{len(syncs)} syncs, versions {versions[0]} → {versions[-1]} by +{step}"
+    if starts:
+        text = (f"{len(syncs)} syncs over {len(starts) + 1} attempts, +{step} within each; after each resume the "
+                f"saved version + {step}: " + "; ".join(starts))
     if c.window.open and not run.finished:
         return Result(c, Status.PENDING, text + " so far", False, evidence)
     return Result(c, Status.PASS, text, True, evidence)

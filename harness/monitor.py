@@ -6,6 +6,12 @@ event that decided it (it replays the run event by event over the last batch it 
 final FAIL stays a FAIL on every longer prefix), prints the diagnosis, runs the kill command and stops. A
 trend (``no_growth``) can still flatten out, so it fails only when the run is over.
 
+A run that writes nothing for too long by the wall clock has *stalled* (:mod:`harness.stall`: a multiple of
+its median cycle, a startup allowance before the first cycle): the watch fails it the same way, naming the
+phase it is stuck in (:func:`harness.phases.current_phase`). A source that never says when its run ends (the
+recipe's stdout log has no status lines) cannot tell a stuck run from one that ended: there the watch stops
+at the limit and judges the log as it stands, as ``check`` would, without the kill command.
+
 The kill command is split with :func:`shlex.split` and run without a shell.
 """
 
@@ -21,6 +27,7 @@ from pathlib import Path
 from harness.criteria import Criterion, Result, Status, evaluate_all
 from harness.readers import LIVE_KINDS, ReaderError, Source, open_source
 from harness.run_data import RunData
+from harness.stall import DEFAULT_STALL_RULE, Stall, StallRule, find_stall
 from harness.verdict import EXIT_FAIL, EXIT_INCOMPLETE, exit_code
 
 __all__ = ["Watcher", "WatchOutcome", "KillOutcome", "first_failing_event", "run_kill_command", "status_changes"]
@@ -45,6 +52,8 @@ class WatchOutcome:
     failures: list[Result] = field(default_factory=list)  # the hard FAILs at that event
     kill: KillOutcome | None = None
     timed_out: bool = False
+    stall: Stall | None = None  # the run stopped writing events (then exit_code is EXIT_FAIL) …
+    quiet_end: bool = False  # … unless the source never says when its run ends: judged as it stands
 
 
 def first_failing_event(criteria: Sequence[Criterion], run: RunData, lo: int) -> tuple[int, list[Result]]:
@@ -88,7 +97,8 @@ class Watcher:
     """Follows the run at ``path`` and judges it with ``criteria`` (see the module doc).
 
     ``on_update(results, run)`` is called after every evaluation that read new events (for progress output);
-    ``on_wait(message)`` while the run does not exist yet.
+    ``on_wait(message)`` while the run does not exist yet. ``clock`` (monotonic) times ``timeout_s``;
+    ``wall_clock`` (unix seconds) is what a silence is measured with (``stall``; :mod:`harness.stall`).
     """
 
     def __init__(
@@ -102,6 +112,8 @@ class Watcher:
         on_wait: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
+        stall: StallRule = DEFAULT_STALL_RULE,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         if poll_s <= 0:
             raise ValueError(f"poll interval must be positive, got {poll_s}")
@@ -113,6 +125,7 @@ class Watcher:
         self.on_update = on_update or (lambda results, run: None)
         self.on_wait = on_wait or (lambda message: None)
         self.clock, self.sleep = clock, sleep
+        self.stall, self.wall_clock = stall, wall_clock
         if kill_cmd is not None and not shlex.split(kill_cmd):
             raise ValueError("the kill command is empty")
 
@@ -124,9 +137,13 @@ class Watcher:
             return self._timeout(run)
         live = source.kind in LIVE_KINDS
         first = True
+        seen_at: float | None = None  # wall time at which the newest event was first read
         while True:
             checked = run.events
             added = source.read(run, final=not live)
+            run.read_at = self.wall_clock()
+            if added:
+                seen_at = run.read_at
             if not live:
                 run.finished = True
             if added or first or run.finished:
@@ -141,6 +158,9 @@ class Watcher:
                 if any(r.hard_fail for r in results):
                     return self._abort(run, results, lo=checked)
                 return WatchOutcome(results, run, exit_code(results))
+            stall = find_stall(run, self.stall, run.read_at, seen_at) if live else None
+            if stall is not None:
+                return self._stalled(run, stall)
             if self.timeout_s is not None and self.clock() - start >= self.timeout_s:
                 return self._timeout(run)
             self.sleep(self.poll_s)
@@ -173,6 +193,16 @@ class Watcher:
         at_failure = evaluate_all(self.criteria, run.until(seq))
         outcome = WatchOutcome(at_failure, run, EXIT_FAIL, failed_at=seq, failed_where=run.where_of(seq),
                                failures=failures)
+        if self.kill_cmd is not None:
+            outcome.kill = run_kill_command(self.kill_cmd)
+        return outcome
+
+    def _stalled(self, run: RunData, stall: Stall) -> WatchOutcome:
+        if not run.status:  # no status lines: ended or stuck, the log cannot say
+            run.finished = True
+            results = evaluate_all(self.criteria, run)
+            return WatchOutcome(results, run, exit_code(results), stall=stall, quiet_end=True)
+        outcome = WatchOutcome(evaluate_all(self.criteria, run), run, EXIT_FAIL, stall=stall)
         if self.kill_cmd is not None:
             outcome.kill = run_kill_command(self.kill_cmd)
         return outcome

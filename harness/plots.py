@@ -16,7 +16,7 @@ from harness.criteria import Result, Status
 from harness.cycles import cycle_times
 from harness.run_data import RunData, normalize_phase
 
-__all__ = ["reward_figure", "eval_figure", "memory_figure", "cycle_figure"]
+__all__ = ["reward_figure", "eval_figure", "memory_figure", "cycle_figure", "PHASE_COLOURS"]
 
 BAND = "#2e7d32"
 FAIL = "#c62828"
@@ -137,9 +137,24 @@ def eval_figure(results: Sequence[Result], run: RunData) -> bytes | None:
     return _png(fig)
 
 
+def _relative(syncs: dict) -> tuple[list[int], list[float], list[int], list[float]]:
+    """A rank's readings relative to its baseline in their attempt (the first reading after the attempt's first
+    optimizer step): (syncs, GB above) of the later readings, and of the startup ones."""
+    base: dict[int, float] = {}
+    for s in sorted(syncs):
+        if not syncs[s].startup and syncs[s].attempt not in base:
+            base[syncs[s].attempt] = syncs[s].value
+    later = [(s, syncs[s].value - base[syncs[s].attempt]) for s in sorted(syncs)
+             if not syncs[s].startup and syncs[s].attempt in base]
+    startup = [(s, syncs[s].value - base[syncs[s].attempt]) for s in sorted(syncs)
+               if syncs[s].startup and syncs[s].attempt in base]
+    return [x for x, _ in later], [y for _, y in later], [x for x, _ in startup], [y for _, y in startup]
+
+
 def memory_figure(results: Sequence[Result], run: RunData) -> bytes | None:
-    """Per rank, memory after each sync relative to the rank's baseline, with the ±tolerance band; with an
-    absolute-baseline criterion, a second panel of the values themselves."""
+    """Per rank, memory after each sync relative to the rank's baseline (per attempt: the first sync after its
+    first optimizer step), with the ±tolerance band and the startup syncs as open circles (judged only for not
+    above); with an absolute-baseline criterion, a second panel of the values themselves."""
     relative = [r for r in results if r.criterion.kind in ("returns_to_baseline", "no_growth")
                 and r.criterion.params.get("baseline_gb") is None]
     absolute = [r for r in results if r.criterion.kind == "returns_to_baseline"
@@ -165,17 +180,28 @@ def memory_figure(results: Sequence[Result], run: RunData) -> bytes | None:
     if tolerance is not None and syncs_all:
         ax.fill_between([syncs_all[0] - 0.3, syncs_all[-1] + 0.3], -tolerance, tolerance, color=BAND, alpha=0.2,
                         label=f"baseline ± {tolerance:g} GB")
+    startup_labelled = False
     for rank, syncs in sorted(by_rank.items()):
-        xs = sorted(syncs)
-        base = syncs[xs[0]].value
+        xs, ys, sx, sy = _relative(syncs)
         colour, width, z = (FAIL, 1.6, 3) if rank in failing else (MUTED, 0.7, 2)
-        ax.plot(xs, [syncs[s].value - base for s in xs], color=colour, linewidth=width, alpha=0.8, zorder=z,
+        ax.plot(xs, ys, color=colour, linewidth=width, alpha=0.8, zorder=z,
                 label=f"rank {rank}" if rank in failing else None)
+        if sx:
+            ax.plot(sx, sy, "o", markerfacecolor="none", markeredgecolor=colour, markersize=4, zorder=z,
+                    label=None if startup_labelled else "startup sync (judged: not above)")
+            startup_labelled = True
+    for attempt in run.attempts[1:]:
+        first = min((s for syncs in by_rank.values() for s, p in syncs.items() if p.attempt == attempt.index),
+                    default=None)
+        if first is not None:
+            ax.axvline(first - 0.5, color=LINE, linestyle=":", linewidth=1)
+            ax.annotate(attempt.label, (first - 0.5, 1), xycoords=("data", "axes fraction"), fontsize=8,
+                        xytext=(3, -10), textcoords="offset points")
     first = next((r.evidence for r in relative if "first_failing_rank" in r.evidence), None)
-    if first is not None:
+    if first is not None and "deviation_gb" in first and math.isfinite(first["deviation_gb"]):
         ax.plot([first["first_failing_sync"]], [first["deviation_gb"]], "x", color=FAIL, markersize=10, mew=2,
                 label=f"first failure: rank {first['first_failing_rank']}, sync {first['first_failing_sync']}")
-    ax.set_title(f"{metric} after each sync, relative to the rank's first post-sync value ({len(by_rank)} ranks)",
+    ax.set_title(f"{metric} after each sync, relative to the rank's baseline ({len(by_rank)} ranks)",
                  fontsize=11, loc="left")
     ax.set_xlabel("sync")
     ax.set_ylabel("GB above baseline")
@@ -202,8 +228,40 @@ def memory_figure(results: Sequence[Result], run: RunData) -> bytes | None:
     return _png(fig)
 
 
+PHASE_COLOURS = {"generate": "#1f4e79", "offload": "#8e6c8a", "train": "#2e7d32", "onload": "#b07aa1",
+                 "sync": "#ef6c00", "other": "#bdbdbd", "eval": "#ffffff"}
+
+
+def _phase_panel(ax: Any, run: RunData, unit: str, scale: float) -> bool:
+    """Each cycle stacked by phase (:func:`harness.phases.cycle_phases`), the eval after it hatched on top (not
+    cycle time). False when the run timed no phase."""
+    from harness.phases import PHASE_ORDER, cycle_phases
+
+    phases = cycle_phases(run)
+    if not phases:
+        return False
+    xs = sorted(phases)
+    bottom = [0.0] * len(xs)
+    for name in PHASE_ORDER:
+        heights = [phases[i].get(name, 0.0) / scale for i in xs]
+        if not any(heights):
+            continue
+        extra = {"hatch": "//", "edgecolor": MUTED} if name == "eval" else {}
+        label = "eval (not cycle time)" if name == "eval" else name
+        ax.bar(xs, heights, bottom=bottom, color=PHASE_COLOURS[name], label=label, width=0.8, **extra)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    ax.set_title("each cycle by phase", fontsize=11, loc="left")
+    ax.set_xlabel("cycle (rollout)")
+    ax.set_ylabel(unit)
+    ax.grid(True, alpha=0.25, axis="y")
+    _integer_x(ax)
+    ax.legend(fontsize=8, loc="upper left", ncol=4)
+    return True
+
+
 def cycle_figure(results: Sequence[Result], run: RunData) -> bytes | None:
-    """Cycle time per rollout (eval excluded) with the band; cycles left out marked at the bottom."""
+    """Cycle time per rollout (eval excluded) with the band, cycles left out marked at the bottom; below it,
+    each cycle stacked by phase when the run times its phases."""
     if not results:
         return None
     c = results[0].criterion
@@ -213,7 +271,14 @@ def cycle_figure(results: Sequence[Result], run: RunData) -> bytes | None:
         return None
     xs = sorted(times.cycles)
     ys = [times.cycles[i].seconds / scale for i in xs]
-    fig, ax = _axes(f"rollout cycle time, eval excluded ({times.rule})", "cycle (rollout)", c["unit"])
+    plt = _pyplot()
+    fig, axes = plt.subplots(2, 1, figsize=(8.0, 6.4), squeeze=False)
+    ax = axes[0][0]
+    ax.set_title(f"rollout cycle time, eval excluded ({times.rule})", fontsize=11, loc="left")
+    ax.set_xlabel("cycle (rollout)")
+    ax.set_ylabel(c["unit"])
+    ax.grid(True, alpha=0.25)
+    _integer_x(ax)
     x0, x1 = _span(c.window, xs)
     ax.fill_between([x0, x1], c["lo"], c["hi"], color=BAND, alpha=0.2, label=f"[{c['lo']:g}, {c['hi']:g}] {c['unit']}")
     judged = [(x, y) for x, y in zip(xs, ys) if c.window.contains(x)]
@@ -223,7 +288,7 @@ def cycle_figure(results: Sequence[Result], run: RunData) -> bytes | None:
     if skipped:
         ax.plot([x for x, _ in skipped], [y for _, y in skipped], "o", color=MUTED, markersize=4,
                 label="not judged (outside the window)")
-    outside = [(x, y) for x, y in judged if not (c["lo"] <= y <= c["hi"])]
+    outside = [(x, y) for x, y in judged if not (math.isfinite(y) and c["lo"] <= y <= c["hi"])]
     if outside:
         ax.plot([x for x, _ in outside], [y for _, y in outside], "x", color=FAIL, markersize=10, mew=2,
                 label="outside the band")
@@ -238,4 +303,8 @@ def cycle_figure(results: Sequence[Result], run: RunData) -> bytes | None:
     if finite:
         ax.set_ylim(min(min(finite), c["lo"]) * 0.9, max(max(finite), c["hi"]) * 1.08)
     ax.legend(fontsize=8, loc="lower right")
+    if not _phase_panel(axes[1][0], run, c["unit"], scale):
+        fig.delaxes(axes[1][0])
+        fig.set_size_inches(8.0, 3.4)
+    fig.tight_layout()
     return _png(fig)

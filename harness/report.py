@@ -18,12 +18,13 @@ from harness.verdict import overall
 
 __all__ = ["markdown_summary", "html_report", "write_html_report"]
 
+NEWLINE = "\n"
 _ICON = {Status.PASS: "✅", Status.FAIL: "❌", Status.PENDING: "⏳", Status.MISSING: "❔"}
 _COLOUR = {Status.PASS: "#2e7d32", Status.FAIL: "#c62828", Status.PENDING: "#ef6c00", Status.MISSING: "#6a1b9a"}
 
 
 def _md_cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+    return text.replace("|", "\\|").replace("\n", "<br>")
 
 
 def markdown_summary(results: Sequence[Result], run: RunData, tier: Tier, profile: str | None = None) -> str:
@@ -36,6 +37,9 @@ def markdown_summary(results: Sequence[Result], run: RunData, tier: Tier, profil
     for r in results:
         status = f"{_ICON[r.status]} {r.status}" + ("" if r.final or r.status is not Status.FAIL else " (may recover)")
         lines.append(f"| {status} | `{r.id}` | {_md_cell(r.summary)} | {_md_cell(r.where or '')} |")
+    notes = run.notes()
+    if notes:
+        lines += ["", "Notes:", ""] + [f"- {_md_cell(n)}" for n in notes]
     if run.problems:
         lines += ["", f"{len(run.problems)} line(s) could not be used (skipped):", ""]
         lines += [f"- `{_md_cell(str(p))}`" for p in run.problems[:20]]
@@ -57,7 +61,8 @@ def _figures(results: Sequence[Result], run: RunData) -> list[tuple[str, bytes]]
          pick(lambda r: r.criterion.kind in ("band", "rise_by") and r.criterion.metric.startswith("eval/"))),
         ("Memory after every weight sync", plots.memory_figure,
          pick(lambda r: r.criterion.kind in ("returns_to_baseline", "no_growth"))),
-        ("Rollout cycle time", plots.cycle_figure, pick(lambda r: r.criterion.kind == "cycle_time_within")),
+        ("Rollout cycle time, and each cycle by phase", plots.cycle_figure,
+         pick(lambda r: r.criterion.kind == "cycle_time_within")),
     ]
     out = []
     for title, draw, subset in groups:
@@ -110,10 +115,13 @@ def html_report(results: Sequence[Result], run: RunData, tier: Tier, profile: st
         parts.append(
             f"<tr><td>{_badge(r.status, r.final)}</td><td><b>{esc(c.title or c.id)}</b><br><code>{esc(c.id)}</code> "
             f"<span class='doc'>({esc(c.kind)}, window {esc(str(c.window))})</span></td>"
-            f"<td>{esc(r.summary)}<div class='doc'>{esc(c.doc)}</div>"
+            f"<td>{esc(r.summary).replace(NEWLINE, '<br>')}<div class='doc'>{esc(c.doc)}</div>"
             f"<details><summary class='doc'>evidence</summary><pre>{esc(evidence)}</pre></details></td>"
             f"<td><code>{esc(r.where or '')}</code></td></tr>")
     parts.append("</table>")
+    notes = run.notes()
+    if notes:
+        parts.append("<h2>Notes</h2><ul>" + "".join(f"<li>{esc(n)}</li>" for n in notes) + "</ul>")
     figures = _figures(results, run)
     if figures:
         parts.append("<h2>Plots</h2>")

@@ -1,9 +1,10 @@
 """Tiers: the criteria of one kind of run, read from ``harness/spec/<tier>.toml``.
 
 A spec file has a ``[tier]`` table (``name``, ``title``, ``doc``, ``source``), optional ``[profiles.<name>]``
-tables (hardware profiles: criteria marked ``profile = "<name>"`` apply only when that profile is chosen),
-and one ``[[criterion]]`` table per criterion (fields: :mod:`harness.criteria`). Every error names the file
-and the criterion.
+tables (hardware profiles: criteria marked ``profile = "<name>"`` apply only when that profile is chosen), an
+optional ``[watch]`` table (``stall_multiple``, ``startup_allowance_minutes``: when ``watch`` fails a silent
+run, :mod:`harness.stall`; absent: 3 × the median cycle and 60 minutes), and one ``[[criterion]]`` table per
+criterion (fields: :mod:`harness.criteria`). Every error names the file and the criterion.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from importlib import resources
 from pathlib import Path
 
 from harness.criteria import Criterion, SpecError, build_criterion
+from harness.stall import DEFAULT_STALL_RULE, StallRule
 
 __all__ = ["Tier", "load_tier", "builtin_tiers", "SpecError"]
 
@@ -27,6 +29,7 @@ class Tier:
     path: str
     criteria: tuple[Criterion, ...]
     profiles: dict[str, str] = field(default_factory=dict)  # profile name -> what it is
+    stall: StallRule = DEFAULT_STALL_RULE  # when watch fails a run that writes nothing
 
     def active(self, profile: str | None = None) -> list[Criterion]:
         """The criteria that apply: the general ones plus those of ``profile``."""
@@ -64,10 +67,10 @@ def parse_tier(text: str, where: str) -> Tier:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise SpecError(f"{where}: not valid TOML: {e}") from None
-    unknown = set(data) - {"tier", "profiles", "criterion"}
+    unknown = set(data) - {"tier", "profiles", "watch", "criterion"}
     if unknown:
         raise SpecError(f"{where}: unknown table(s) {', '.join(sorted(unknown))} (expected [tier], [profiles.*], "
-                        "[[criterion]])")
+                        "[watch], [[criterion]])")
     head = data.get("tier")
     if not isinstance(head, dict) or not isinstance(head.get("name"), str):
         raise SpecError(f"{where}: a [tier] table with a 'name' is required")
@@ -85,4 +88,25 @@ def parse_tier(text: str, where: str) -> Tier:
             raise SpecError(f"{where}: criterion id {c.id!r} appears twice")
         seen.add(c.id)
     return Tier(name=head["name"], title=str(head.get("title", head["name"])), doc=str(head.get("doc", "")),
-                source=str(head.get("source", "")), path=where, criteria=tuple(criteria), profiles=profiles)
+                source=str(head.get("source", "")), path=where, criteria=tuple(criteria), profiles=profiles,
+                stall=_stall_rule(data.get("watch", {}), where))
+
+
+def _stall_rule(table: object, where: str) -> StallRule:
+    """The ``[watch]`` table: ``stall_multiple`` (≥ 1, or 0: off) and ``startup_allowance_minutes`` (> 0)."""
+    if not isinstance(table, dict):
+        raise SpecError(f"{where}: [watch] must be a table")
+    unknown = set(table) - {"stall_multiple", "startup_allowance_minutes"}
+    if unknown:
+        raise SpecError(f"{where}: [watch]: unknown field(s) {', '.join(sorted(unknown))} (its fields: "
+                        "stall_multiple, startup_allowance_minutes)")
+    multiple = table.get("stall_multiple", DEFAULT_STALL_RULE.multiple)
+    minutes = table.get("startup_allowance_minutes", DEFAULT_STALL_RULE.startup_allowance_s / 60)
+    for name, value in (("stall_multiple", multiple), ("startup_allowance_minutes", minutes)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise SpecError(f"{where}: [watch]: {name!r} must be a number, got {value!r}")
+    if multiple != 0 and multiple < 1:
+        raise SpecError(f"{where}: [watch]: 'stall_multiple' must be ≥ 1 (or 0: no stall detection), got {multiple}")
+    if minutes <= 0:
+        raise SpecError(f"{where}: [watch]: 'startup_allowance_minutes' must be positive, got {minutes}")
+    return StallRule(float(multiple), 60.0 * float(minutes))

@@ -8,8 +8,11 @@ What it takes from the log (anything before the match — a Ray actor prefix, a 
 - ``[Rank R] Memory-Usage <phase>: {…, 'allocated_GB': 90.94, …}``: one memory reading of trainer rank R; the
   k-th reading of a rank at a phase belongs to sync k (the recipe prints no sync index; counting per rank is
   immune to Ray interleaving the ranks' lines, but a reading lost to a garbled line — reported — shifts that
-  rank's later ones by one).
-- ``LoRA weight version N sent in M chunks``: one adapter sync.
+  rank's later ones by one, so that rank lacks the last sync and the memory criteria say MISSING). Readings
+  before the log's first ``rollout N`` / ``perf N`` / ``step N`` line are the startup sync's (the recipe's
+  first ``update_weights``, adapter version 1, runs before any rollout, so before any optimizer step).
+- ``LoRA weight version N sent in M chunks``: one adapter sync, after the training of the rollout of the last
+  ``rollout N`` / ``perf N`` / ``step N`` line before it (none: the startup sync).
 - Megatron's argument dump (``name ..... value`` between ``arguments`` and ``end of arguments``).
 
 A line that looks like one of these but does not parse (a dict cut short, two ranks' writes run together) is
@@ -55,6 +58,7 @@ class RecipeLogSource:
         self._in_dump = False
         self._memory_count: dict[tuple[int, str], int] = {}  # (rank, phase) -> readings so far
         self._syncs = 0
+        self._last_rollout: int | None = None  # of the last rollout / perf / step line: later syncs follow its step
 
     def read(self, run: RunData, final: bool = False) -> int:
         before = run.events
@@ -101,7 +105,7 @@ class RecipeLogSource:
         m = SYNC_LINE.search(text)
         if m is not None:
             seq = run.begin_event()
-            run.add(SyncPoint(self._syncs, int(m.group(1)), int(m.group(2)), None, seq, where))
+            run.add(SyncPoint(self._syncs, int(m.group(1)), int(m.group(2)), self._last_rollout, seq, where))
             self._syncs += 1
             return
         if "LoRA weight version" in text:
@@ -111,6 +115,8 @@ class RecipeLogSource:
 
         m = DICT_LINE.search(text)
         if m is not None:
+            if m.group(1) != "eval":
+                self._last_rollout = int(m.group(2))
             self._read_metrics(run, where, int(m.group(2)), m.group(3), m.group(1), suffix)
 
     def _read_metrics(self, run: RunData, where: str, rollout_id: int, body: str, kind: str, suffix: str) -> None:
@@ -139,4 +145,5 @@ class RecipeLogSource:
         self._memory_count[(rank, phase)] = sync + 1
         seq = run.begin_event()
         for metric, value in readings.items():
-            run.add(MemoryPoint(rank, phase, sync, metric, float(value), seq, where))
+            run.add(MemoryPoint(rank, phase, sync, metric, float(value), seq, where,
+                                startup=self._last_rollout is None))

@@ -3,6 +3,11 @@
 Readable while the run is being written: :meth:`RunDirSource.read` picks up whatever was appended since the
 last call (byte offset; a partial last line waits for its newline) and the resolved config once it appears.
 Every line that cannot be used is reported as a :class:`~harness.run_data.Problem` with ``file:line``.
+
+Across a resume (docs/RUN_DIRECTORY.md, "Resumed runs") sync numbers continue; a writer whose resumed attempt
+numbers its syncs from an index the run already used is read on from the next free index (the run's notes say
+so), so the readings of every attempt are kept. A memory reading is a *startup* one until its attempt's first ``train``
+event (no optimizer step has run, so the optimizer state does not exist yet).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from typing import Any
 from harness.readers.argument_dump import parse_dump_line
 from harness.readers.follow import Line, LineFollower
 from harness.run_data import (
+    STATUSES,
     ConfigEntry,
     EventTime,
     MemoryPoint,
@@ -49,8 +55,12 @@ class RunDirSource:
         self.path = Path(path)
         self._metrics = LineFollower(self.path / METRICS_NAME)
         self._config_read = False
-        self._sync_count: dict[tuple[int, str], int] = {}  # (rank, phase) -> memory events seen without "sync"
-        self._next_sync = 0
+        self._sync_count: dict[tuple[int, str], int] = {}  # (rank, phase) -> next sync of readings without "sync"
+        self._next_sync = 0  # sync index of the next sync event without "sync"
+        self._attempt = 0  # the attempt the two fields below belong to
+        self._offset: int | None = None  # added to the attempt's logged sync numbers; None: not fixed yet
+        self._trained = False  # the attempt has a train event: its later syncs follow an optimizer step
+        self._last_sync = -1  # highest sync index read so far, every attempt
 
     def read(self, run: RunData, final: bool = False) -> int:
         """Add what is new to ``run``; returns the number of events added."""
@@ -63,31 +73,44 @@ class RunDirSource:
 
     # --- resolved config -----------------------------------------------------------------------------------
     def _read_config(self, run: RunData) -> None:
+        """The JSON when it parses; else the ``.txt`` dump, with the JSON's fault reported (a corrupt JSON must
+        not leave the run without its ``model_variant``: the tier would change)."""
         json_path, txt_path = self.path / CONFIG_JSON, self.path / CONFIG_TXT
         if json_path.exists():
-            where = json_path.name
-            try:
-                values = json.loads(json_path.read_text(encoding="utf-8"))
-            except (OSError, json.JSONDecodeError) as e:
-                run.problem(where, f"not valid JSON ({e}); the resolved config is not used")
+            error = self._read_config_json(run, json_path)
+            if error is None:
                 self._config_read = True
                 return
-            if not isinstance(values, dict):
-                run.problem(where, f"expected a JSON object of name → value, got {type(values).__name__}")
+            if txt_path.exists():
+                run.problem(json_path.name, f"{error}; the resolved config is read from {txt_path.name} instead")
+            else:
+                run.problem(json_path.name, f"{error}; there is no {txt_path.name} to read instead: the resolved "
+                            "config is not used")
+                run.config_problem = f"{json_path} {error} and there is no {txt_path.name}"
                 self._config_read = True
                 return
+        if txt_path.exists():
             seq = run.begin_event()
-            for key, value in values.items():
-                if key != "env":  # the environment is not an argument
-                    run.add(ConfigEntry(key, config_text(value), seq, where))
-            self._config_read = True
-        elif txt_path.exists():
-            seq = run.begin_event()
-            for number, text in enumerate(txt_path.read_text(encoding="utf-8").splitlines(), 1):
+            for number, text in enumerate(txt_path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
                 parsed = parse_dump_line(text)
                 if parsed is not None:
                     run.add(ConfigEntry(parsed[0], parsed[1], seq, f"{txt_path.name}:{number}"))
             self._config_read = True
+
+    @staticmethod
+    def _read_config_json(run: RunData, json_path: Path) -> str | None:
+        """Reads the JSON into ``run``; returns what is wrong with it instead (then nothing was added)."""
+        try:
+            values = json.loads(json_path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            return f"is not valid JSON ({e})"
+        if not isinstance(values, dict):
+            return f"is not a JSON object of name → value (a {type(values).__name__})"
+        seq = run.begin_event()
+        for key, value in values.items():
+            if key != "env":  # the environment is not an argument
+                run.add(ConfigEntry(key, config_text(value), seq, json_path.name))
+        return None
 
     # --- metrics.jsonl -------------------------------------------------------------------------------------
     def _read_line(self, run: RunData, line: Line) -> None:
@@ -109,18 +132,28 @@ class RunDirSource:
             run.problem(where, f"{error}; skipped")
             return
         seq = run.begin_event()
-        kind, rollout_id, time = event["event"], event.get("rollout_id"), float(event["time"])
-        run.add(EventTime(kind, rollout_id, time, seq, where))
+        kind, rollout_id = event["event"], event.get("rollout_id")
+        time: float | None = float(event["time"])
+        if not math.isfinite(time):
+            run.problem(where, f"'time' is {event['time']!r}, not a time: the event is kept without one")
+            time = None
+        else:
+            run.add(EventTime(kind, rollout_id, time, seq, where))
         if kind == "status":
-            run.add(StatusEntry(event["status"], time, seq, where, event.get("error")))
+            self._read_status(run, event, time, seq, where)
+            return
+        if kind == "train":
+            self._trained = True
         elif kind == "memory":
             self._read_memory(run, event, seq, where)
             return  # memory metrics are per rank, not per rollout
         elif kind == "sync":
             version, chunks = event.get("adapter/version"), event.get("adapter/chunks")
-            index = event.get("sync", self._next_sync)
+            index = self._sync_index(run, where, event["sync"]) if "sync" in event else self._next_sync
             self._next_sync = index + 1
-            run.add(SyncPoint(index, _int_or_none(version), _int_or_none(chunks), rollout_id, seq, where, time))
+            self._last_sync = max(self._last_sync, index)
+            run.add(SyncPoint(index, _int_or_none(version), _int_or_none(chunks), rollout_id, seq, where, time,
+                              run.attempt))
         if rollout_id is None:
             return
         for key, value in event.items():
@@ -128,20 +161,45 @@ class RunDirSource:
                 continue
             number = _metric_value(run, where, key, value)
             if number is not None:
-                run.add(Point(key, rollout_id, number, seq, where, time))
+                run.add(Point(key, rollout_id, number, seq, where, time, run.attempt))
+
+    def _read_status(self, run: RunData, event: dict[str, Any], time: float | None, seq: int, where: str) -> None:
+        next_rollout = event.get("next_rollout")
+        if event["status"] == "resumed" and (not isinstance(next_rollout, int) or isinstance(next_rollout, bool)
+                                             or next_rollout < 0):
+            run.problem(where, f"a resumed status needs a non-negative integer 'next_rollout', got {next_rollout!r}: "
+                        "the rollout it resumed at is unknown")
+            next_rollout = None
+        checkpoint = event.get("checkpoint")
+        run.add(StatusEntry(event["status"], time, seq, where, event.get("error"),
+                            checkpoint if isinstance(checkpoint, str) else None, next_rollout))
+        if run.attempt != self._attempt:  # a new attempt: its syncs start as startup syncs, its numbering anew
+            self._attempt, self._offset, self._trained = run.attempt, None, False
+
+    def _sync_index(self, run: RunData, where: str, logged: int) -> int:
+        """The run-wide index of the attempt's logged sync number (the same unless the writer restarted it)."""
+        if self._offset is None:
+            self._offset = 0
+            if self._attempt > 0 and logged <= self._last_sync and run.attempts:
+                self._offset = self._last_sync + 1 - logged
+                run.attempts[-1].renumbered = (logged, logged + self._offset)  # said in the run's notes
+        return logged + self._offset
 
     def _read_memory(self, run: RunData, event: dict[str, Any], seq: int, where: str) -> None:
         rank, phase = event["rank"], normalize_phase(event["phase"])
-        sync = event.get("sync")
-        if sync is None:  # fall back to counting this rank's readings at this phase
+        if "sync" in event:
+            sync = self._sync_index(run, where, event["sync"])
+        else:  # fall back to counting this rank's readings at this phase
             sync = self._sync_count.get((rank, phase), 0)
         self._sync_count[(rank, phase)] = sync + 1
+        self._last_sync = max(self._last_sync, sync)
         found = False
         for key, value in event.items():
             if key.startswith("memory/"):
                 number = _metric_value(run, where, key, value)
                 if number is not None:
-                    run.add(MemoryPoint(rank, phase, sync, key, number, seq, where))
+                    run.add(MemoryPoint(rank, phase, sync, key, number, seq, where, run.attempt,
+                                        startup=not self._trained))
                     found = True
         if not found:
             run.problem(where, "memory event without any memory/* value")
@@ -162,8 +220,9 @@ def _structure_error(event: dict[str, Any]) -> str | None:
         return f"'rollout_id' must be a non-negative integer or null, got {rollout_id!r}"
     if kind in ("rollout", "train", "eval") and rollout_id is None:
         return f"a {kind} event needs an integer 'rollout_id'"
-    if kind == "status" and event.get("status") not in ("started", "finished", "failed"):
-        return f"status event with 'status' {event.get('status')!r} (expected started, finished or failed)"
+    if kind == "status" and event.get("status") not in STATUSES:
+        expected = f"{', '.join(STATUSES[:-1])} or {STATUSES[-1]}"
+        return f"status event with 'status' {event.get('status')!r} (expected {expected})"
     if kind == "memory":
         if not isinstance(event.get("rank"), int) or isinstance(event.get("rank"), bool):
             return f"memory event needs an integer 'rank', got {event.get('rank')!r}"

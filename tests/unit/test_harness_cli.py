@@ -12,6 +12,7 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
@@ -223,3 +224,43 @@ def test_acceptance_full_submits_watches_kills_and_reports(tmp_path):
     assert json.loads((run_dir / "verdict.json").read_text())["results"]
     assert (run_dir / "report.html").exists() and (run_dir / "summary.md").exists()
     assert ET.parse(run_dir / "acceptance.xml").getroot().iter("testcase")
+
+
+# --- narrow terminals -------------------------------------------------------------------------------------
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+@pytest.mark.parametrize("columns", [80, 100])
+@pytest.mark.parametrize("tier", ["smoke", "4layer", "full"])
+def test_criteria_in_a_narrow_terminal_keeps_every_sentence_whole(tier, columns):
+    from harness.tier import load_tier
+
+    result = runner.invoke(app, ["criteria", "--tier", tier], env={"COLUMNS": str(columns)})
+    assert result.exit_code == 0, result.output
+    assert max(len(line) for line in result.output.splitlines()) <= columns
+    out = _flat(result.output)
+    for c in load_tier(tier).criteria:
+        assert _flat(c.doc) in out, c.id
+        assert " | ".join(c.metrics) in out and c.id in out
+
+
+@pytest.mark.parametrize("columns", [80, 100])
+def test_check_in_a_narrow_terminal_keeps_every_observation_whole(tmp_path, columns):
+    from harness.criteria import evaluate_all
+    from harness.readers import read_run
+    from harness.tier import load_tier
+
+    run = H.write_run_dir(tmp_path / "run", H.leaky())
+    result = runner.invoke(app, ["check", str(run), "--profile", "gb300"], env={"COLUMNS": str(columns)})
+    assert result.exit_code == EXIT_FAIL
+    assert max(len(line) for line in result.output.splitlines()) <= columns
+    out = _flat(result.output)
+    for r in evaluate_all(load_tier("full").active("gb300"), read_run(run)):
+        assert _flat(r.summary) in out, r.id
+        assert r.where is None or f"at {r.where}" in out
+
+
+def test_wide_terminals_keep_the_tables():
+    result = runner.invoke(app, ["criteria", "--tier", "smoke"], env={"COLUMNS": "200"})
+    assert "┃ id" in result.output and "┃ doc" in result.output
