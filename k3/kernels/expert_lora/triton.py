@@ -12,7 +12,8 @@ path, forward and backward:
 the rank-r product added in fp32 and the tile written back once (torch's path writes the product, then reads two
 and writes one). Every operand is taken through its strides, so the transposes the backward needs are views:
 ``dxa = dgate @ B_e`` is ``contract(dgate, B.transpose(1, 2))`` and ``dh += dha @ A_e`` is
-``expand_add_(dh, dha, A.transpose(1, 2))``.
+``expand_add_(dh, dha, A.transpose(1, 2))``. Their plain-torch references are in ``reference.py``; the autograd
+functions built on them (``lora_gate_up``, ``lora_fc1``, ``lora_down``) in ``function.py``.
 
 Why kernels: torch's grouped GEMM runs these shapes far from bandwidth on the H200 (``[rows, 32] x [E, 32, 3072]``
 at 11 TFLOP/s, 0.28 ms, for ~0.05 ms of memory traffic; docs/PERFORMANCE.md). All three are memory-bound: one
@@ -23,34 +24,23 @@ forward and ~1.2 GB for its backward, ~0.5 ms at the H200's measured 4.3 TB/s co
 kernel moves its bytes at 65-82% of a D2D copy's rate (two runs); the module's forward+backward is +8.2-9.2% over
 the frozen experts' when calls run back to back, +10.2-10.4% timed from an idle device (3 runs; docs/PERFORMANCE.md).
 
-Tiling. ``expand_add_`` and ``contract`` tile the rows by expert: a tile is ``BLOCK_M`` rows of one expert
-(the last tile of an expert is partial). The tile -> (expert, row start, row end) schedule is built on the device
-by ``tile_schedule`` from ``counts`` in one small Triton launch (no host sync; ``tile_schedule_reference`` is the
-same in torch ops, ~20 launches); a layer builds it once (``RowTiles``) for its gate/up and down, forward and
-backward. The grid is its upper bound
-``cdiv(rows, BLOCK_M) + E`` and tiles past the last real one exit at once. ``expand_add_`` runs one program per
-(row tile, ``BLOCK_N`` columns), the columns fastest so the programs running together share one ``B_e`` and one
-``xa`` tile in L2; ``contract`` one program per row tile, looping over K in ``BLOCK_K`` steps. ``weight_grad`` runs
-one program per (expert, ``[BLOCK_P, BLOCK_Q]`` output block), looping over the expert's rows (from the device
-offsets; an expert without rows writes zeros). The rank-r dimension is one block padded to a power of two >= 16
-(``tl.dot``'s minimum), masked.
+Tiling. ``expand_add_`` and ``contract`` take their row tiles (``BLOCK_M`` rows of one expert) from the schedule of
+``schedule.py``, built on the device from ``counts``; the grid is its upper bound ``cdiv(rows, BLOCK_M) + E`` and
+tiles past the last real one exit at once. ``expand_add_`` runs one program per (row tile, ``BLOCK_N`` columns),
+the columns fastest so the programs running together share one ``B_e`` and one ``xa`` tile in L2; ``contract`` one
+program per row tile, looping over K in ``BLOCK_K`` steps. ``weight_grad`` runs one program per (expert,
+``[BLOCK_P, BLOCK_Q]`` output block), looping over the expert's rows (from the device offsets; an expert without
+rows writes zeros). The rank-r dimension is one block padded to a power of two >= 16 (``tl.dot``'s minimum), masked.
 
 Every kernel takes a *pair* of calls of one shape and strides in one launch (grid axis 1; the second call's tensors
 as element offsets from the first's): gate and up run together, so a forward+backward launches 7 kernels, not 11.
 
-``lora_gate_up`` / ``lora_down`` (autograd Functions, at the end) are ``LoRALatentExperts(lora_impl="triton")``:
-the plain path's math with these kernels, backward written out, each running its frozen base grouped GEMM (torch's)
-so the adapter is added into the base's output (forward) and into the base's input gradient (backward) in place.
-
 Numerics: fp32 accumulation; bf16 (or fp16) in and out on CUDA with bf16 tensor-core products; fp32 in and out
 with IEEE fp32 products (no TF32), so fp32 results equal a float32 reference up to summation order.
 
-Runs on a CUDA device, or on the CPU under ``TRITON_INTERPRET=1`` (set before this module is imported: Triton
-picks interpreted or compiled kernels when they are defined). Triton 3.6's interpreter multiplies bf16 ``tl.dot``
-operands as their raw uint16 bit patterns (numpy has no bf16), so under the interpreter the kernels upcast them
-to fp32 first. The plain-torch references sit next to each kernel (``*_reference``), as fla keeps ``naive.py``
-beside ``chunk.py``. Triton 3.6's interpreter also needs numpy < 2.4 (triton-lang/triton#9171: a kernel's scalar
-argument in ``range`` raises "only 0-dimensional arrays can be converted to Python scalars").
+Runs on a CUDA device, or on the CPU under ``TRITON_INTERPRET=1`` (``availability.py``: set before this module is
+imported). Triton 3.6's interpreter multiplies bf16 ``tl.dot`` operands as their raw uint16 bit patterns (numpy has
+no bf16), so under the interpreter the kernels upcast them to fp32 first.
 
 The default tiles are the swept ones' near-best (``bench/gpu_lora_kernels.py`` sweeps them: within 10% of the best
 per kernel on the H200, and the module's time did not move with the tuned ones).
@@ -58,16 +48,13 @@ per kernel on the H200, and the module's time did not move with the tuned ones).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from k3.kernels.grouped_mm import grouped_mm, grouped_mm_reference, grouped_weight_grad_reference
+from k3.kernels.expert_lora import availability
+from k3.kernels.expert_lora.schedule import checked_schedule, row_offsets
 
-__all__ = ["DEFAULT_BLOCKS", "KERNEL_CHOICES", "MAX_RANK", "check_kernel_choice", "contract", "contract_reference",
-           "cpu_interpreter_problem", "expand_add_", "expand_add_reference", "kernels_run", "lora_down", "lora_fc1",
-           "lora_gate_up", "RowTiles", "row_tiles", "tile_schedule", "tile_schedule_reference", "triton_available",
-           "triton_runs_on", "weight_grad", "weight_grad_reference"]
+__all__ = ["DEFAULT_BLOCKS", "MAX_RANK", "Pair", "check_counts", "check_dtypes", "contract", "cpu_interpreter_problem",
+           "expand_add_", "require_triton", "weight_grad"]
 
 # Tile sizes per kernel (powers of two; the rank-r dimension is never tiled), swept on the H200.
 DEFAULT_BLOCKS = {
@@ -85,9 +72,6 @@ try:  # the kernels are module-level: Triton resolves the helpers by their globa
     import triton.language as tl
 except Exception:  # noqa: BLE001 - ImportError, or a broken Triton install: the torch path serves
     triton = None
-
-# Read once: Triton decides at decoration time (this import) whether the kernels are interpreted.
-_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 if triton is not None:
 
@@ -172,35 +156,6 @@ if triton is not None:
                  mask=row_ok[:, None] & j_ok[None, :])
 
     @triton.jit
-    def _schedule_kernel(counts_ptr, sched_ptr, offs_ptr, E, n_tiles,
-                         BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
-        # BLOCK_T tiles of the row-tile schedule per program (tile_schedule_reference's math; torch's ops for the
-        # same are ~20 launches); program 0 also writes the row offsets. Every program redoes the E-long prefix
-        # sums: cheaper than a second launch. int32 throughout (rows < 2^31); experts past E are padding with no
-        # rows and no tiles. The [BLOCK_T, BLOCK_E] one-hot blocks stay small: wide ones spill registers.
-        e = tl.arange(0, BLOCK_E)
-        e_ok = e < E
-        c = tl.load(counts_ptr + e, mask=e_ok, other=0).to(tl.int32)
-        ends = tl.cumsum(c, 0)
-        starts = ends - c
-        tiles = (c + BLOCK_M - 1) // BLOCK_M
-        tile_end = tl.cumsum(tiles, 0)
-        tile_start = tile_end - tiles
-        if tl.program_id(0) == 0:
-            tl.store(offs_ptr + e, starts, mask=e_ok)
-            tl.store(offs_ptr + E, tl.sum(c, 0))
-        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-        # the first expert whose tiles end after t: how many end at or before it
-        expert = tl.sum((tile_end[None, :] <= t[:, None]).to(tl.int32), 1)
-        pick = e[None, :] == tl.minimum(expert, E - 1)[:, None]  # one-hot gather of that expert's values
-        row_start = tl.sum(tl.where(pick, starts[None, :] - tile_start[None, :] * BLOCK_M, 0), 1) + t * BLOCK_M
-        row_end = tl.minimum(tl.sum(tl.where(pick, ends[None, :], 0), 1), row_start + BLOCK_M)
-        t_ok = t < n_tiles
-        tl.store(sched_ptr + t, tl.where(expert < E, expert, -1), mask=t_ok)
-        tl.store(sched_ptr + n_tiles + t, row_start, mask=t_ok)
-        tl.store(sched_ptr + 2 * n_tiles + t, row_end, mask=t_ok)
-
-    @triton.jit
     def _weight_grad_kernel(a_ptr, b_ptr, out_ptr, pair_a, pair_b, pair_out, offs_ptr, P, Q,
                             stride_am, stride_ap, stride_bm, stride_bq, stride_oe, stride_op, stride_oq,
                             BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr,
@@ -233,26 +188,11 @@ if triton is not None:
                  acc.to(out_ptr.dtype.element_ty), mask=p_ok[:, None] & q_ok[None, :])
 
 
-def triton_available() -> bool:
-    """True when the kernels exist (running them also needs a CUDA device, or ``TRITON_INTERPRET=1``)."""
-    return triton is not None
-
-
-def triton_runs_on(device: torch.device | str) -> bool:
-    """Whether the kernels can run on tensors of ``device``: CUDA with Triton, or the CPU under the interpreter."""
-    device = torch.device(device)
-    if triton is None:
-        return False
-    if device.type == "cuda":
-        return not _INTERPRETING  # the interpreter runs kernels on host memory only
-    return device.type == "cpu" and _INTERPRETING
-
-
 def cpu_interpreter_problem() -> str | None:
     """Why the kernels cannot run on the CPU here (for a test's skip reason), or None: it runs the smallest call."""
-    if triton is None:
+    if not availability.triton_available():
         return "Triton is not importable (CI's venv has none); run under TRITON_INTERPRET=1 in a venv with Triton"
-    if not _INTERPRETING:
+    if not availability.INTERPRETING:
         return "TRITON_INTERPRET=1 is not set: the kernels run on the CPU only under Triton's interpreter"
     try:  # Triton 3.6's interpreter breaks on numpy >= 2.4 (triton-lang/triton#9171)
         contract(torch.ones(1, 16), torch.ones(1, 2, 16), torch.tensor([1]))
@@ -261,54 +201,25 @@ def cpu_interpreter_problem() -> str | None:
     return None
 
 
-# How an expert adapter runs its rank-r grouped GEMMs: ``auto`` = ``triton`` where the kernels run (CUDA with
-# Triton) and no dropout mask is active, else ``torch``; ``triton`` insists (an error where it cannot run).
-KERNEL_CHOICES = ("auto", "torch", "triton")
-
-
-def check_kernel_choice(kernel: str, flag: str = "lora_impl") -> None:
-    """A ValueError naming ``flag`` unless ``kernel`` is one of ``KERNEL_CHOICES`` and, for ``triton``, Triton
-    imports here (whether it can run on a given device is ``kernels_run``'s question)."""
-    if kernel not in KERNEL_CHOICES:
-        raise ValueError(f"{flag}={kernel!r}: expected one of {KERNEL_CHOICES}")
-    if kernel == "triton" and not triton_available():
-        raise ValueError(f"{flag}='triton' needs Triton, which is not importable here; use {flag}='torch'")
-
-
-def kernels_run(kernel: str, device: torch.device | str, dropout_active: bool, flag: str = "lora_impl") -> bool:
-    """Whether an expert adapter set to ``kernel`` runs its rank-r parts on these kernels now.
-
-    False for ``torch``, and while dropout is active (the torch path applies the mask); True for ``triton`` where
-    the kernels run on ``device``; a ValueError naming ``flag`` where ``triton`` was asked for and they cannot;
-    ``auto``: whether they run on ``device`` (never an error).
-    """
-    if kernel == "torch" or dropout_active:
-        return False
-    check_kernel_choice(kernel, flag)
-    if kernel == "auto":
-        return triton_runs_on(device)
-    if not triton_runs_on(device):
-        raise ValueError(f"{flag}='triton': the Triton kernels cannot run on {torch.device(device)} here (they need "
-                         f"a CUDA device, or the CPU under TRITON_INTERPRET=1); use {flag}='torch'")
-    return True
-
-
 # ------------------------------------------------------------------------------------------------ checks
-def _require_triton(name: str, *tensors: torch.Tensor) -> None:
-    if triton is None:
+def require_triton(name: str, *tensors: torch.Tensor) -> None:
+    """A RuntimeError where Triton is missing, a ValueError naming ``name`` where the tensors are on several devices
+    or on one the kernels cannot run on (``availability.triton_runs_on``)."""
+    if availability.triton is None:
         raise RuntimeError(f"{name}: needs Triton (pip install triton) and a CUDA device; without them use the "
                            "torch path (LoRALatentExperts(lora_impl='torch'))")
     device = tensors[0].device
     if any(t.device != device for t in tensors):
         raise ValueError(f"{name}: tensors on {sorted({str(t.device) for t in tensors})}: expected one device")
-    if not triton_runs_on(device):
-        where = ("a CUDA device (or on the CPU under TRITON_INTERPRET=1, set before k3.kernels.lora_grouped is "
+    if not availability.triton_runs_on(device):
+        where = ("a CUDA device (or on the CPU under TRITON_INTERPRET=1, set before k3.kernels.expert_lora is "
                  "imported)")
         raise ValueError(f"{name}: the Triton kernels run on {where}, not on {device}"
-                         + (" while TRITON_INTERPRET=1" if _INTERPRETING else ""))
+                         + (" while TRITON_INTERPRET=1" if availability.INTERPRETING else ""))
 
 
-def _check_dtypes(name: str, **tensors: torch.Tensor) -> torch.dtype:
+def check_dtypes(name: str, **tensors: torch.Tensor) -> torch.dtype:
+    """The one dtype of ``tensors`` (float32, bfloat16 or float16), else a ValueError naming ``name``."""
     dtypes = {n: t.dtype for n, t in tensors.items()}
     if len(set(dtypes.values())) != 1:
         raise ValueError(f"{name}: dtypes {dtypes}: expected one dtype")
@@ -318,7 +229,9 @@ def _check_dtypes(name: str, **tensors: torch.Tensor) -> torch.dtype:
     return dtype
 
 
-def _check_counts(name: str, counts: torch.Tensor, experts: int, rows: int) -> None:
+def check_counts(name: str, counts: torch.Tensor, experts: int, rows: int) -> None:
+    """A ValueError naming ``name`` unless ``counts`` is ``[experts]`` integer, ``experts >= 1``, and (on the CPU,
+    where it costs no device sync) non-negative and summing to ``rows``."""
     if counts.dim() != 1 or counts.shape[0] != experts or counts.dtype.is_floating_point or counts.dtype == torch.bool:
         raise ValueError(f"{name}: counts {tuple(counts.shape)} {counts.dtype}: expected [E] = [{experts}] integer")
     if experts < 1:
@@ -336,7 +249,7 @@ def _check_rank(name: str, r: int) -> None:
 
 
 def _flags(dtype: torch.dtype) -> dict[str, bool]:
-    return {"IEEE": dtype == torch.float32, "UPCAST": _INTERPRETING and dtype != torch.float32}
+    return {"IEEE": dtype == torch.float32, "UPCAST": availability.INTERPRETING and dtype != torch.float32}
 
 
 def _pow2_block(n: int) -> int:
@@ -352,85 +265,6 @@ def _check_block(name: str, **blocks: int) -> None:
     for key, v in blocks.items():
         if v < _MIN_DOT or v & (v - 1):
             raise ValueError(f"{name}: {key}={v}: expected a power of two >= {_MIN_DOT}")
-
-
-# ------------------------------------------------------------------------------------------------ schedule
-def tile_schedule(counts: torch.Tensor, rows: int, block_m: int) -> torch.Tensor:
-    """The row tiles of expert-sorted rows, on ``counts``' device with no host sync.
-
-    Args:
-        counts: ``[E]`` integer rows per expert (summing to ``rows``).
-        rows: the total number of rows (a host int: the row tensor's length).
-        block_m: rows per tile.
-
-    Returns:
-        ``[3, T]`` int32, ``T = cdiv(rows, block_m) + E`` (an upper bound on ``Σ_e cdiv(counts[e], block_m)``):
-        per tile its expert, first row and end row (exclusive); expert ``-1`` marks the tiles past the last
-        real one. Experts without rows get no tile. One Triton launch where the kernels run on ``counts``' device
-        (``row_tiles``), else ``tile_schedule_reference``.
-    """
-    if triton_runs_on(counts.device):
-        return row_tiles(counts, rows, block_m)[0]
-    return tile_schedule_reference(counts, rows, block_m)
-
-
-def tile_schedule_reference(counts: torch.Tensor, rows: int, block_m: int) -> torch.Tensor:
-    """``tile_schedule`` in torch ops (about 20 launches on CUDA): the plain reference of ``_schedule_kernel``."""
-    E = counts.shape[0]
-    c = counts.to(torch.int64)
-    ends = c.cumsum(0)
-    starts = ends - c
-    tiles = (c + block_m - 1) // block_m
-    tile_end = tiles.cumsum(0)
-    tile_start = tile_end - tiles
-    t = torch.arange(-(-rows // block_m) + E, device=counts.device)
-    expert = torch.searchsorted(tile_end, t, right=True)  # the first expert whose tiles end after t
-    e = expert.clamp(max=E - 1)
-    row_start = starts[e] + (t - tile_start[e]) * block_m
-    row_end = torch.minimum(ends[e], row_start + block_m)
-    expert = torch.where(expert < E, expert, -1)
-    return torch.stack([expert, row_start, row_end]).to(torch.int32)
-
-
-def _schedule_block_t(block_e: int) -> int:
-    """Tiles per program of the schedule kernel: [BLOCK_T, BLOCK_E] one-hot blocks of at most 2048 entries."""
-    return max(2, min(16, 2048 // block_e))
-
-
-def row_tiles(counts: torch.Tensor, rows: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(tile_schedule(counts, rows, block_m), offsets)`` from one Triton launch (offsets: ``_offsets(counts)``).
-
-    Needs the kernels to run on ``counts``' device; ``counts`` is ``[E]`` integer, ``E <= 4096`` (one block), with
-    fewer than 2^31 rows.
-    """
-    E = counts.shape[0]
-    if E > 4096:
-        raise ValueError(f"row_tiles: {E} experts: the schedule kernel holds them in one block (<= 4096)")
-    n_tiles = -(-rows // block_m) + E
-    sched = torch.empty(3, n_tiles, dtype=torch.int32, device=counts.device)
-    offsets = torch.empty(E + 1, dtype=torch.int32, device=counts.device)
-    block_e = _pow2_block(E)
-    block_t = _schedule_block_t(block_e)
-    _schedule_kernel[(triton.cdiv(n_tiles, block_t),)](counts, sched, offsets, E, n_tiles, BLOCK_M=block_m,
-                                                      BLOCK_E=block_e, BLOCK_T=block_t)
-    return sched, offsets
-
-
-def _schedule_for(name: str, schedule: torch.Tensor | None, counts: torch.Tensor, rows: int,
-                  block_m: int) -> torch.Tensor:
-    """``schedule`` if given (its length must be that of ``block_m``'s schedule), else a new one."""
-    if schedule is None:
-        return tile_schedule(counts, rows, block_m)
-    want = (3, -(-rows // block_m) + counts.shape[0])
-    if tuple(schedule.shape) != want or schedule.dtype != torch.int32 or schedule.device != counts.device:
-        raise ValueError(f"{name}: schedule {tuple(schedule.shape)} {schedule.dtype} on {schedule.device}: expected "
-                         f"tile_schedule(counts, {rows}, block_m={block_m}), {want} int32 on {counts.device}")
-    return schedule
-
-
-def _offsets(counts: torch.Tensor) -> torch.Tensor:
-    """``[E + 1]`` int32: ``[0, cumsum(counts)]`` (expert e's rows are ``offs[e]:offs[e + 1]``)."""
-    return torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
 
 
 # ------------------------------------------------------------------------------------------------ kernels
@@ -482,17 +316,17 @@ def expand_add_(out: torch.Tensor | Pair, xa: torch.Tensor | Pair, B: torch.Tens
             or B.shape[1] != out.shape[1] or B.shape[2] != xa.shape[1]:
         raise ValueError(f"{name}: out {tuple(out.shape)}, xa {tuple(xa.shape)}, B {tuple(B.shape)}: expected "
                          "out [rows, N], xa [rows, r], B [E, N, r]")
-    dtype = _check_dtypes(name, out=out, xa=xa, B=B)
+    dtype = check_dtypes(name, out=out, xa=xa, B=B)
     _check_rank(name, xa.shape[1])
-    _check_counts(name, counts, B.shape[0], out.shape[0])
-    _require_triton(name, out, xa, B, counts)
+    check_counts(name, counts, B.shape[0], out.shape[0])
+    require_triton(name, out, xa, B, counts)
     block_m, block_n, num_warps, num_stages = _blocks("expand", block_m=block_m, block_n=block_n,
                                                       num_warps=num_warps, num_stages=num_stages)
     _check_block(name, block_m=block_m, block_n=block_n)
     rows, N = out.shape
     if rows == 0 or N == 0:
         return given
-    schedule = _schedule_for(name, schedule, counts, rows, block_m)
+    schedule = checked_schedule(name, schedule, counts, rows, block_m)
     n_tiles = schedule.shape[1]
     grid = (n_tiles * triton.cdiv(N, block_n), calls)
     _expand_add_kernel[grid](out, xa, B, *pair_offsets, schedule, n_tiles, N, xa.shape[1], *out.stride(),
@@ -500,11 +334,6 @@ def expand_add_(out: torch.Tensor | Pair, xa: torch.Tensor | Pair, B: torch.Tens
                              BLOCK_R=_pow2_block(xa.shape[1]), **_flags(dtype), num_warps=num_warps,
                              num_stages=num_stages)
     return given
-
-
-def expand_add_reference(out: torch.Tensor, xa: torch.Tensor, B: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """``out + grouped(xa, B)`` in plain torch (a new tensor), for tests."""
-    return out + grouped_mm_reference(xa, B, counts)
 
 
 def contract(h: torch.Tensor | Pair, A: torch.Tensor | Pair, counts: torch.Tensor, scale: float = 1.0, *,
@@ -543,10 +372,10 @@ def contract(h: torch.Tensor | Pair, A: torch.Tensor | Pair, counts: torch.Tenso
     r = A.shape[1]
     if tuple(out.shape) != (rows, r):
         raise ValueError(f"{name}: out {tuple(out.shape)}: expected [rows, r] = [{rows}, {r}]")
-    dtype = _check_dtypes(name, h=h, A=A, out=out)
+    dtype = check_dtypes(name, h=h, A=A, out=out)
     _check_rank(name, r)
-    _check_counts(name, counts, A.shape[0], rows)
-    _require_triton(name, h, A, out, counts)
+    check_counts(name, counts, A.shape[0], rows)
+    require_triton(name, h, A, out, counts)
     block_m, block_k, num_warps, num_stages = _blocks("contract", block_m=block_m, block_k=block_k,
                                                       num_warps=num_warps, num_stages=num_stages)
     _check_block(name, block_m=block_m, block_k=block_k)
@@ -556,7 +385,7 @@ def contract(h: torch.Tensor | Pair, A: torch.Tensor | Pair, counts: torch.Tenso
         for o in (given if calls == 2 else (given,)):
             o.zero_()
         return given
-    schedule = _schedule_for(name, schedule, counts, rows, block_m)
+    schedule = checked_schedule(name, schedule, counts, rows, block_m)
     n_tiles = schedule.shape[1]
     _contract_kernel[(n_tiles, calls)](h, A, out, *pair_offsets, schedule, n_tiles, K, r, float(scale), *h.stride(),
                                        *A.stride(), *out.stride(), BLOCK_M=block_m, BLOCK_K=block_k,
@@ -567,11 +396,6 @@ def contract(h: torch.Tensor | Pair, A: torch.Tensor | Pair, counts: torch.Tenso
 
 def _shape(t: torch.Tensor | Pair) -> object:
     return tuple(t.shape) if isinstance(t, torch.Tensor) else [tuple(x.shape) for x in t]
-
-
-def contract_reference(h: torch.Tensor, A: torch.Tensor, counts: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """``scale · grouped(h, A)`` in plain torch, for tests."""
-    return grouped_mm_reference(h, A, counts) * scale
 
 
 def weight_grad(a: torch.Tensor | Pair, b: torch.Tensor | Pair, counts: torch.Tensor, *,
@@ -599,12 +423,12 @@ def weight_grad(a: torch.Tensor | Pair, b: torch.Tensor | Pair, counts: torch.Te
     if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[0]:
         raise ValueError(f"{name}: a {tuple(a.shape)}, b {tuple(b.shape)}: expected [rows, P] and [rows, Q] with "
                          "the same rows")
-    dtype = _check_dtypes(name, a=a, b=b)
+    dtype = check_dtypes(name, a=a, b=b)
     rows, P = a.shape
     Q = b.shape[1]
     E = counts.shape[0] if counts.dim() == 1 else -1
-    _check_counts(name, counts, E, rows)
-    _require_triton(name, a, b, counts)
+    check_counts(name, counts, E, rows)
+    require_triton(name, a, b, counts)
     block_m, block_wide, num_warps, num_stages = _blocks("weight_grad", block_m=block_m, block_wide=block_wide,
                                                          num_warps=num_warps, num_stages=num_stages)
     _check_block(name, block_m=block_m, block_wide=block_wide)
@@ -613,7 +437,7 @@ def weight_grad(a: torch.Tensor | Pair, b: torch.Tensor | Pair, counts: torch.Te
     if both.numel() == 0:
         return outs if calls == 2 else outs[0]
     if offsets is None:
-        offsets = _offsets(counts)
+        offsets = row_offsets(counts)
     elif tuple(offsets.shape) != (E + 1,) or offsets.dtype != torch.int32 or offsets.device != counts.device:
         raise ValueError(f"{name}: offsets {tuple(offsets.shape)} {offsets.dtype} on {offsets.device}: expected "
                          f"[E + 1] = [{E + 1}] int32 on {counts.device}")
@@ -625,225 +449,3 @@ def weight_grad(a: torch.Tensor | Pair, b: torch.Tensor | Pair, counts: torch.Te
                               *out.stride(), BLOCK_M=block_m, BLOCK_P=block_p, BLOCK_Q=block_q, **_flags(dtype),
                               num_warps=num_warps, num_stages=num_stages)
     return outs if calls == 2 else outs[0]
-
-
-def weight_grad_reference(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """The plain per-expert loop (``grouped_weight_grad_reference``), for tests."""
-    return grouped_weight_grad_reference(a, b, counts)
-
-
-# ------------------------------------------------------------------------------------------------ autograd
-# The routed experts' gate/up and down with shared-outer LoRA (k3/lora/experts.py's plain-path math), the rank-r
-# grouped parts on the kernels above. Each Function runs its base grouped GEMM too (torch's, frozen weights: no
-# gradient for them): the forward adds the adapter into the base output in place, and the backward adds the
-# adapter's input gradient into the base's in place, one pass each instead of a product written and then added.
-# The in-place adds touch only tensors created inside the Function, so no ``ctx.mark_dirty`` is involved and
-# autograd's view of every input is unchanged.
-class RowTiles:
-    """The row tiles of one ``counts`` tensor for every kernel's ``block_m`` (built on first use, one Triton launch
-    each) and the row offsets ``weight_grad`` takes (from the same launch). One serves the forward and backward of
-    a layer's gate/up and down: ``LoRALatentExperts`` passes one to ``lora_gate_up`` and ``lora_down``.
-
-    Args:
-        counts: ``[E]`` integer rows per expert, on the rows' device.
-        rows: the number of expert-sorted rows (a host int).
-    """
-
-    def __init__(self, counts: torch.Tensor, rows: int) -> None:
-        self.counts, self.rows, self._by_block = counts, rows, {}
-
-    def _build(self, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if block_m not in self._by_block:
-            self._by_block[block_m] = row_tiles(self.counts, self.rows, block_m)
-        return self._by_block[block_m]
-
-    def get(self, kernel: str) -> torch.Tensor:
-        """The schedule for ``kernel``'s current ``DEFAULT_BLOCKS`` tile."""
-        return self._build(DEFAULT_BLOCKS[kernel]["block_m"])[0]
-
-    @property
-    def offsets(self) -> torch.Tensor:
-        """``[E + 1]`` int32 ``[0, cumsum(counts)]``."""
-        return self._build(next(iter(self._by_block), DEFAULT_BLOCKS["expand"]["block_m"]))[1]
-
-    def check(self, name: str, counts: torch.Tensor, rows: int) -> None:
-        if rows != self.rows or counts.shape != self.counts.shape or counts.device != self.counts.device:
-            raise ValueError(f"{name}: tiles built for {self.rows} rows and counts {tuple(self.counts.shape)} on "
-                             f"{self.counts.device}, given {rows} rows and counts {tuple(counts.shape)} on "
-                             f"{counts.device}: build RowTiles(counts, rows) for these rows")
-
-
-class _GateUpLoRA(torch.autograd.Function):
-    """Gate and up with shared-A LoRA. ``w3`` None: ``w1`` is megatron's fc1 weight ``[E, 2F, Lt]`` (gate rows,
-    then up rows) and the output one ``[rows, 2F]`` tensor whose halves the kernels update as column views; else
-    ``w1``/``w3`` are ``[E, F, Lt]`` each and the output ``(gate, up)``. Gate and up run as pairs: one launch each
-    for their two adds, their two input-gradient products and their two factor gradients."""
-
-    @staticmethod
-    def forward(ctx, x, A, B1, B3, w1, w3, counts, scale, tiles):
-        r, F_ = B1.shape[2], B1.shape[1]
-        # The base GEMMs first: the device starts on them while the host launches the adapter's small kernels.
-        if w3 is None:
-            out = grouped_mm(x, w1, counts)  # [rows, 2F]: one base GEMM for both halves
-            gate, up = out[:, :F_], out[:, F_:]
-        else:
-            gate, up = grouped_mm(x, w1, counts), grouped_mm(x, w3, counts)
-        xa = (x @ A.T).mul_(scale)  # [rows, 2r]: the scale on the narrow product
-        expand_add_((gate, up), (xa[:, :r], xa[:, r:]), (B1, B3), counts, schedule=tiles.get("expand"))
-        ctx.save_for_backward(x, xa, A, B1, B3, w1, w3, counts)
-        ctx.scale, ctx.tiles = scale, tiles
-        return out if w3 is None else (gate, up)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        x, xa, A, B1, B3, w1, w3, counts = ctx.saved_tensors
-        need_x, need_A, need_B1, need_B3 = ctx.needs_input_grad[:4]
-        r, F_, s, tiles = B1.shape[2], B1.shape[1], ctx.scale, ctx.tiles
-        # contiguous: torch's grouped GEMM rejects stride-0 gradients (an expanded ones_like, say)
-        if w3 is None:
-            dout = grads[0].contiguous()
-            dgate, dup = dout[:, :F_], dout[:, F_:]
-        else:
-            dgate, dup = grads[0].contiguous(), grads[1].contiguous()
-        dx = dA = dB1 = dB3 = None
-        if need_x or need_A:
-            dxa = xa.new_empty(xa.shape)  # d(x Aᵀ) = s · [dgate B1_e | dup B3_e], [rows, 2r]
-            contract((dgate, dup), (B1.transpose(1, 2), B3.transpose(1, 2)), counts, s,
-                     out=(dxa[:, :r], dxa[:, r:]), schedule=tiles.get("contract"))
-            if need_x:
-                if w3 is None:
-                    dx = grouped_mm(dout, w1.transpose(1, 2), counts)
-                else:
-                    dx = grouped_mm(dgate, w1.transpose(1, 2), counts)
-                    dx += grouped_mm(dup, w3.transpose(1, 2), counts)
-                # dx += dxa A, the shared A as every expert's factor (stride 0): the kernel's one read-add-write
-                expand_add_(dx, dxa, A.T.unsqueeze(0).expand(B1.shape[0], -1, -1), counts,
-                            schedule=tiles.get("expand"))
-            if need_A:
-                dA = dxa.T @ x
-        if need_B1 and need_B3:
-            dB1, dB3 = weight_grad((dgate, dup), (xa[:, :r], xa[:, r:]), counts, offsets=tiles.offsets)
-        elif need_B1:
-            dB1 = weight_grad(dgate, xa[:, :r], counts, offsets=tiles.offsets)
-        elif need_B3:
-            dB3 = weight_grad(dup, xa[:, r:], counts, offsets=tiles.offsets)
-        return dx, dA, dB1, dB3, None, None, None, None, None
-
-
-class _DownLoRA(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, h, A2, B2, w2, counts, scale, tiles):
-        out = grouped_mm(h, w2, counts)  # [rows, Lt]
-        ha = contract(h, A2, counts, scale, schedule=tiles.get("contract"))  # [rows, r], scaled
-        # out += ha B2ᵀ, the shared B as every expert's factor (stride 0): added in the kernel's epilogue
-        expand_add_(out, ha, B2.unsqueeze(0).expand(A2.shape[0], -1, -1), counts, schedule=tiles.get("expand"))
-        ctx.save_for_backward(h, ha, A2, B2, w2, counts)
-        ctx.scale, ctx.tiles = scale, tiles
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        h, ha, A2, B2, w2, counts = ctx.saved_tensors
-        need_h, need_A2, need_B2 = ctx.needs_input_grad[:3]
-        s = ctx.scale
-        dout = dout.contiguous()
-        dh = dA2 = dB2 = None
-        dha = (dout @ B2).mul_(s) if need_h or need_A2 else None  # [rows, r]
-        if need_h:
-            dh = grouped_mm(dout, w2.transpose(1, 2), counts)
-            expand_add_(dh, dha, A2.transpose(1, 2), counts, schedule=ctx.tiles.get("expand"))
-        if need_A2:
-            dA2 = weight_grad(dha, h, counts, offsets=ctx.tiles.offsets)  # [E, r, F]
-        if need_B2:
-            dB2 = dout.T @ ha  # [Lt, r]; ha carries the scale
-        return dh, dA2, dB2, None, None, None, None
-
-
-def _tiles_for(name: str, tiles: RowTiles | None, counts: torch.Tensor, rows: int) -> RowTiles:
-    if tiles is None:
-        return RowTiles(counts, rows)
-    tiles.check(name, counts, rows)
-    return tiles
-
-
-def _check_module_inputs(name: str, rows: torch.Tensor, counts: torch.Tensor, **tensors: torch.Tensor) -> None:
-    _check_dtypes(name, **tensors)
-    _require_triton(name, rows, *tensors.values())
-    _check_counts(name, counts, counts.shape[0] if counts.dim() == 1 else -1, rows.shape[0])
-
-
-def lora_gate_up(x: torch.Tensor, A: torch.Tensor, B1: torch.Tensor, B3: torch.Tensor, w1: torch.Tensor,
-                 w3: torch.Tensor, counts: torch.Tensor, scale: float,
-                 tiles: RowTiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gate and up projections of expert-sorted rows with shared-A LoRA, the rank-r parts on the Triton kernels.
-
-    ``gate = grouped(x, w1) + grouped(s · x A1ᵀ, B1)`` (up likewise with w3, A3, B3), as
-    ``LoRALatentExperts.gate_up``'s plain path; gradients for x, A, B1 and B3, none for the frozen w1/w3.
-
-    Args:
-        x: ``[rows, Lt]`` sorted by expert. A: ``[2r, Lt]`` = ``[w1_lora_A; w3_lora_A]``.
-        B1, B3: ``[E, F, r]``. w1, w3: ``[E, F, Lt]`` (frozen). counts: ``[E]`` rows per expert (moved to x's
-            device). scale: ``alpha / r``. tiles: ``RowTiles(counts, rows)`` shared with the layer's
-            ``lora_down`` (None: built here).
-
-    Returns:
-        ``(gate, up)``, each ``[rows, F]`` in x's dtype.
-    """
-    counts = counts.to(x.device)
-    if A.dim() != 2 or B1.dim() != 3 or B1.shape != B3.shape or A.shape != (2 * B1.shape[2], x.shape[1]):
-        raise ValueError(f"lora_gate_up: A {tuple(A.shape)}, B1 {tuple(B1.shape)}, B3 {tuple(B3.shape)} for x "
-                         f"{tuple(x.shape)}: expected A [2r, Lt], B1 and B3 [E, F, r]")
-    tiles = _tiles_for("lora_gate_up", tiles, counts, x.shape[0])
-    _check_module_inputs("lora_gate_up", x, counts, x=x, A=A, B1=B1, B3=B3, w1=w1, w3=w3)
-    return _GateUpLoRA.apply(x, A, B1, B3, w1, w3, counts, float(scale), tiles)
-
-
-def lora_fc1(x: torch.Tensor, A: torch.Tensor, B1: torch.Tensor, B3: torch.Tensor, w13: torch.Tensor,
-             counts: torch.Tensor, scale: float, tiles: RowTiles | None = None) -> torch.Tensor:
-    """``lora_gate_up`` on megatron's fc1 layout: one stacked base weight, one ``[rows, 2F]`` output.
-
-    ``out = [gate | up]`` with ``gate``/``up`` as in ``lora_gate_up`` and ``w1``/``w3`` the two halves of
-    ``w13``; the base is one grouped GEMM (and one in the backward), the adapters are added into the output's
-    halves in place.
-
-    Args:
-        x: ``[rows, Lt]`` sorted by expert. A: ``[2r, Lt]`` = ``[w1_lora_A; w3_lora_A]``.
-        B1, B3: ``[E, F, r]``. w13: ``[E, 2F, Lt]`` (frozen; gate rows first). counts: ``[E]`` (moved to x's
-            device). scale: ``alpha / r``. tiles: as ``lora_gate_up``'s.
-
-    Returns:
-        ``[rows, 2F]`` in x's dtype.
-    """
-    counts = counts.to(x.device)
-    if A.dim() != 2 or B1.dim() != 3 or B1.shape != B3.shape or A.shape != (2 * B1.shape[2], x.shape[1]) \
-            or w13.dim() != 3 or tuple(w13.shape) != (B1.shape[0], 2 * B1.shape[1], x.shape[1]):
-        raise ValueError(f"lora_fc1: A {tuple(A.shape)}, B1 {tuple(B1.shape)}, B3 {tuple(B3.shape)}, w13 "
-                         f"{tuple(w13.shape)} for x {tuple(x.shape)}: expected A [2r, Lt], B1 and B3 [E, F, r], "
-                         "w13 [E, 2F, Lt]")
-    tiles = _tiles_for("lora_fc1", tiles, counts, x.shape[0])
-    _check_module_inputs("lora_fc1", x, counts, x=x, A=A, B1=B1, B3=B3, w13=w13)
-    return _GateUpLoRA.apply(x, A, B1, B3, w13, None, counts, float(scale), tiles)
-
-
-def lora_down(h: torch.Tensor, A2: torch.Tensor, B2: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor,
-              scale: float, tiles: RowTiles | None = None) -> torch.Tensor:
-    """Down projection of expert-sorted rows with per-expert-A, shared-B LoRA, the rank-r parts on the kernels.
-
-    ``out = grouped(h, w2) + s · grouped(h, A2) B2ᵀ``, as ``LoRALatentExperts.down``'s plain path; gradients for
-    h, A2 and B2, none for the frozen w2.
-
-    Args:
-        h: ``[rows, F]`` sorted by expert. A2: ``[E, r, F]``. B2: ``[Lt, r]`` (shared). w2: ``[E, Lt, F]``
-            (frozen). counts: ``[E]`` (moved to h's device). scale: ``alpha / r``. tiles: ``RowTiles(counts,
-            rows)`` shared with the layer's ``lora_gate_up`` (None: built here).
-
-    Returns:
-        ``[rows, Lt]`` in h's dtype.
-    """
-    counts = counts.to(h.device)
-    if A2.dim() != 3 or B2.dim() != 2 or A2.shape[2] != h.shape[1] or B2.shape[1] != A2.shape[1]:
-        raise ValueError(f"lora_down: A2 {tuple(A2.shape)}, B2 {tuple(B2.shape)} for h {tuple(h.shape)}: expected "
-                         "A2 [E, r, F], B2 [Lt, r]")
-    tiles = _tiles_for("lora_down", tiles, counts, h.shape[0])
-    _check_module_inputs("lora_down", h, counts, h=h, A2=A2, B2=B2, w2=w2)
-    return _DownLoRA.apply(h, A2, B2, w2, counts, float(scale), tiles)
