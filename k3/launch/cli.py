@@ -64,3 +64,7 @@ def main() -> None:
     """The ``k3`` script's entry point and ``python -m k3``'s (``k3/__main__.py``)."""
     _register()
     app()
+
+
+if __name__ == "__main__":  # `python -m k3.launch.cli` would otherwise import the app and exit 0 having done nothing
+    main()
