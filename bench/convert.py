@@ -101,7 +101,7 @@ def main() -> None:
     src = work / f"native-e{args.experts}"
     if not (src / "config.json").exists():
         write_synthetic_checkpoint(bench_config(args.experts), src, "mxfp4", seed=0, overwrite=True)
-    k3 = [sys.executable, "-m", "k3.launch.cli", "convert", "mxfp4-to-bf16", "--model-dir", str(src),
+    k3 = [sys.executable, "-m", "k3", "convert", "mxfp4-to-bf16", "--model-dir", str(src),
           "--no-progress"]
     out = work / "out"
     rows = []

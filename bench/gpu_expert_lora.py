@@ -5,9 +5,9 @@
 
 The base is ``k3.model.moe.LatentExperts`` (w1/w3 ``[E, F, Lt]``, w2 ``[E, Lt, F]``, frozen); the adapted module
 is ``k3.lora.experts.LoRALatentExperts`` built on copies of the same weights: ``fused`` (the adapters ride the base
-grouped GEMMs as extra K/N columns, ``k3/kernels/expert_lora.py``), ``plain`` (separate rank-r GEMMs and
+grouped GEMMs as extra K/N columns, ``k3/kernels/expert_lora/folded.py``), ``plain`` (separate rank-r GEMMs and
 full-width adds, the reference math and the module's default) and, where Triton runs (CUDA), ``triton`` (the plain
-math with the rank-r grouped GEMMs on ``k3/kernels/lora_grouped.py``'s kernels, the adds in their epilogues;
+math with the rank-r grouped GEMMs on ``k3/kernels/expert_lora/triton.py``'s kernels, the adds in their epilogues;
 ``--triton-block-m 32,128`` adds rows with other row tiles). Rows are ``tokens_per_expert`` on average per
 expert (a seeded multinomial, so the counts are uneven as a router's are), sorted by expert. Forward+backward is
 ``autograd.grad`` of the output against a fixed upstream gradient, w.r.t. the input rows (as in training, where
@@ -37,10 +37,12 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench folder: measure.py
 from measure import elapsed_ms, report  # noqa: E402
 
-import k3.kernels.expert_lora as expert_lora_mod
-import k3.kernels.lora_grouped as lora_grouped_mod
+import k3.kernels.expert_lora.folded as folded_mod
+import k3.kernels.expert_lora.function as lora_function_mod
 import k3.lora.experts as lora_experts_mod
 import k3.model.moe as moe_mod
+from k3.kernels.expert_lora import availability
+from k3.kernels.expert_lora.triton import DEFAULT_BLOCKS
 from k3.kernels.grouped_mm import grouped_mm, grouped_weight_grad, native_grouped_mm_supported
 from k3.lora.experts import LoRALatentExperts
 from k3.model.moe import LatentExperts
@@ -61,37 +63,37 @@ def native_grouped_mm_shim() -> str:
 def forced_impl(impl: str) -> Iterator[None]:
     """Run the base and LoRA experts with one grouped GEMM implementation (``auto``, ``native``, ``padded``)."""
     forced = functools.partial(grouped_mm, impl=impl)
-    saved = (moe_mod.grouped_mm, lora_experts_mod.grouped_mm, expert_lora_mod.grouped_mm,
-             expert_lora_mod.grouped_weight_grad, lora_grouped_mod.grouped_mm)
-    moe_mod.grouped_mm = lora_experts_mod.grouped_mm = expert_lora_mod.grouped_mm = forced
-    lora_grouped_mod.grouped_mm = forced  # the triton path's base GEMMs (its rank-r parts are Triton regardless)
-    expert_lora_mod.grouped_weight_grad = functools.partial(grouped_weight_grad, impl=impl)
+    saved = (moe_mod.grouped_mm, lora_experts_mod.grouped_mm, folded_mod.grouped_mm,
+             folded_mod.grouped_weight_grad, lora_function_mod.grouped_mm)
+    moe_mod.grouped_mm = lora_experts_mod.grouped_mm = folded_mod.grouped_mm = forced
+    lora_function_mod.grouped_mm = forced  # the triton path's base GEMMs (its rank-r parts are Triton regardless)
+    folded_mod.grouped_weight_grad = functools.partial(grouped_weight_grad, impl=impl)
     try:
         yield
     finally:
-        (moe_mod.grouped_mm, lora_experts_mod.grouped_mm, expert_lora_mod.grouped_mm,
-         expert_lora_mod.grouped_weight_grad, lora_grouped_mod.grouped_mm) = saved
+        (moe_mod.grouped_mm, lora_experts_mod.grouped_mm, folded_mod.grouped_mm,
+         folded_mod.grouped_weight_grad, lora_function_mod.grouped_mm) = saved
 
 
 @contextlib.contextmanager
 def triton_block_m(block_m: int | None) -> Iterator[None]:
     """Run the Triton LoRA kernels with ``block_m`` rows per tile (all three kernels); None: their defaults."""
-    saved = {k: v["block_m"] for k, v in lora_grouped_mod.DEFAULT_BLOCKS.items()}
+    saved = {k: v["block_m"] for k, v in DEFAULT_BLOCKS.items()}
     if block_m is not None:
-        for v in lora_grouped_mod.DEFAULT_BLOCKS.values():
+        for v in DEFAULT_BLOCKS.values():
             v["block_m"] = block_m
     try:
         yield
     finally:
         for k, bm in saved.items():
-            lora_grouped_mod.DEFAULT_BLOCKS[k]["block_m"] = bm
+            DEFAULT_BLOCKS[k]["block_m"] = bm
 
 
 def triton_status(device: torch.device) -> str | None:
     """None where the Triton LoRA path runs on ``device``, else why not."""
-    if lora_grouped_mod.triton_runs_on(device):
+    if availability.triton_runs_on(device):
         return None
-    if not lora_grouped_mod.triton_available():
+    if not availability.triton_available():
         return "Triton is not importable"
     return f"the Triton kernels do not run on {device} (CUDA, or the CPU under TRITON_INTERPRET=1)"
 
@@ -261,8 +263,8 @@ def run(args: argparse.Namespace) -> dict:
                   "tokens_per_expert_mean": rows / E, "tokens_per_expert_max": int(counts_cpu.max()),
                   "tokens_per_expert_min": int(counts_cpu.min())},
         "triton_lora": {"runs": no_triton is None, "why_not": no_triton,
-                        "triton": getattr(lora_grouped_mod.triton, "__version__", None),
-                        "default_blocks": copy.deepcopy(lora_grouped_mod.DEFAULT_BLOCKS),
+                        "triton": getattr(availability.triton, "__version__", None),
+                        "default_blocks": copy.deepcopy(DEFAULT_BLOCKS),
                         "block_m": {n: bm for n, bm in block_m_of.items()}},
         "repeats": args.repeats, "warmup": args.warmup, "back_to_back": args.back_to_back, "results": results, "lora_output_agreement": agreement,
         "profiles": profiles,

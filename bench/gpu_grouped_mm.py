@@ -2,8 +2,8 @@
 
     python bench/gpu_grouped_mm.py --out $OUT/gpu_grouped_mm.json
 
-Why: folding a rank-r adapter into the base grouped GEMM (``k3/kernels/expert_lora.py``) makes K (gate/up) or N
-(down) grow by r and makes gate's and up's A operands column slices of one wider buffer. Whether the native
+Why: folding a rank-r adapter into the base grouped GEMM (``k3/kernels/expert_lora/folded.py``) makes K (gate/up)
+or N (down) grow by r and makes gate's and up's A operands column slices of one wider buffer. Whether the native
 kernel (``F.grouped_mm`` / ``torch._grouped_mm``) keeps its speed for such K/N and strides decides whether the
 fold pays. Each case is one grouped GEMM ``[rows, K] x [E, K, N]`` over ``E`` experts with the bench's seeded
 uneven counts, timed side by side with the base shape in one process; ``vs base`` is ``time / base time``

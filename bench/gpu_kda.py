@@ -1,4 +1,4 @@
-"""KDA core on CUDA: our dispatch (``k3.kernels.kda``) vs the raw fla call it wraps, side by side in one process.
+"""KDA core on CUDA: our dispatch (``k3.kernels.kda.fla``) vs the raw fla call it wraps, side by side in one process.
 
     python bench/gpu_kda.py --out $OUT/gpu_kda.json                  # T 8192, 96 heads x 128, BF16 (K3 shapes)
     python bench/gpu_kda.py --seq-len 2048 --repeats 5
@@ -25,8 +25,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench folder: measure.py
 from measure import elapsed_ms, report  # noqa: E402
 
-from k3.kernels import kda as kda_mod
-from k3.kernels.kda import kda_core, kda_core_with_gate
+from k3.kernels.kda import fla as kda_mod
+from k3.kernels.kda.fla import kda_core, kda_core_with_gate
+from k3.kernels.kda.gate import kda_gate
 
 GOAL = 1.05
 LOWER_BOUND = -5.0
@@ -56,7 +57,7 @@ def make_inputs(B: int, T: int, H: int, D: int, device: torch.device, seed: int 
     k32 = F.normalize(randn(B, T, H, D), dim=-1)
     z = randn(B, T, H, D)
     A_log, dt_bias = randn(H) * 0.5, randn(H * D)
-    g = kda_mod.kda_gate(z, A_log, dt_bias, LOWER_BOUND)
+    g = kda_gate(z, A_log, dt_bias, LOWER_BOUND)
     return {
         "q": q32.bfloat16(), "k": k32.bfloat16(), "q32": q32, "k32": k32, "v": randn(B, T, H, D).bfloat16(),
         "g": g, "z": z, "A_log": A_log, "dt_bias": dt_bias, "beta": torch.rand(B, T, H, generator=gen, device=device),

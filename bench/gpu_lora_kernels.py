@@ -2,8 +2,8 @@
 
     python bench/gpu_lora_kernels.py --out $OUT/gpu_lora_kernels.json      # 112 experts, F 3072, Lt 3584, r 32
 
-Each kernel of ``k3/kernels/lora_grouped.py`` runs on the operands ``LoRALatentExperts(lora_impl="triton")`` gives
-it (the six calls of a forward+backward, below) over a sweep of tiles (``block_m`` x the wide block x warps, then
+Each kernel of ``k3/kernels/expert_lora/triton.py`` runs on the operands ``LoRALatentExperts(lora_impl="triton")``
+gives it (the six calls of a forward+backward, below) over a sweep of tiles (``block_m`` x the wide block x warps, then
 the two best with other pipeline depths); every row reports the bytes the call must move (each operand read once,
 the output written once) and its GB/s as a share of a D2D copy measured in the same run. The tile that is fastest
 over both calls of a kernel is its tuned tile. Beside them: the tile schedule (one Triton launch vs torch's ~20
@@ -37,7 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench folder: me
 from gpu_expert_lora import build, expert_counts, kernel_table, time_side_by_side  # noqa: E402
 from measure import elapsed_ms, report  # noqa: E402
 
-import k3.kernels.lora_grouped as lg
+from k3.kernels.expert_lora import availability
+from k3.kernels.expert_lora.reference import tile_schedule_reference
+from k3.kernels.expert_lora.schedule import row_offsets, row_tiles, tile_schedule
+from k3.kernels.expert_lora.triton import DEFAULT_BLOCKS, contract, expand_add_, weight_grad
 
 GRIDS = {  # the swept tiles (the wide block is block_n, block_k or block_wide)
     "expand": {"block_m": [16, 32, 64, 128], "block_n": [64, 128, 256], "num_warps": [4, 8]},
@@ -105,18 +108,18 @@ def kernel_calls(o: dict[str, torch.Tensor], r: int) -> dict[str, tuple[str, Cal
     n = 2  # bytes per element
     factor = E * F * r * n
     return {
-        "expand gate": ("expand", lambda **t: lg.expand_add_(o["out"], o["xa2"][:, :r], o["B1"], c, **t),
+        "expand gate": ("expand", lambda **t: expand_add_(o["out"], o["xa2"][:, :r], o["B1"], c, **t),
                         2 * rows * F * n + rows * r * n + factor),
-        "expand dh": ("expand", lambda **t: lg.expand_add_(o["h"], o["dha"], o["A2"].transpose(1, 2), c, **t),
+        "expand dh": ("expand", lambda **t: expand_add_(o["h"], o["dha"], o["A2"].transpose(1, 2), c, **t),
                       2 * rows * F * n + rows * r * n + factor),
-        "contract h": ("contract", lambda **t: lg.contract(o["h"], o["A2"], c, **t),
+        "contract h": ("contract", lambda **t: contract(o["h"], o["A2"], c, **t),
                        rows * F * n + factor + rows * r * n),
-        "contract dgate": ("contract", lambda **t: lg.contract(o["out"], o["B1"].transpose(1, 2), c, 0.5,
-                                                               out=o["dxa"][:, :r], **t),
+        "contract dgate": ("contract", lambda **t: contract(o["out"], o["B1"].transpose(1, 2), c, 0.5,
+                                                            out=o["dxa"][:, :r], **t),
                            rows * F * n + factor + rows * r * n),
-        "grad dB": ("weight_grad", lambda **t: lg.weight_grad(o["out"], o["xa2"][:, :r], c, **t),
+        "grad dB": ("weight_grad", lambda **t: weight_grad(o["out"], o["xa2"][:, :r], c, **t),
                     rows * F * n + rows * r * n + factor),
-        "grad dA2": ("weight_grad", lambda **t: lg.weight_grad(o["dha"], o["h"], c, **t),
+        "grad dA2": ("weight_grad", lambda **t: weight_grad(o["dha"], o["h"], c, **t),
                      rows * F * n + rows * r * n + factor),
     }
 
@@ -127,15 +130,15 @@ def pair_calls(o: dict[str, torch.Tensor], r: int) -> dict[str, tuple[Callable[[
     outs, Bs = (o["out"], o["h"]), (o["B1"], o["B1"].clone())
     dxa = o["dxa"]
     return {
-        "expand gate+up": (lambda: lg.expand_add_(outs, (xa[:, :r], xa[:, r:]), Bs, c),
-                           lambda: (lg.expand_add_(outs[0], xa[:, :r], Bs[0], c),
-                                    lg.expand_add_(outs[1], xa[:, r:], Bs[1], c))),
-        "contract dgate+dup": (lambda: lg.contract(outs, tuple(B.transpose(1, 2) for B in Bs), c, 0.5,
-                                                   out=(dxa[:, :r], dxa[:, r:])),
-                               lambda: (lg.contract(outs[0], Bs[0].transpose(1, 2), c, 0.5, out=dxa[:, :r]),
-                                        lg.contract(outs[1], Bs[1].transpose(1, 2), c, 0.5, out=dxa[:, r:]))),
-        "grad dB1+dB3": (lambda: lg.weight_grad(outs, (xa[:, :r], xa[:, r:]), c),
-                         lambda: (lg.weight_grad(outs[0], xa[:, :r], c), lg.weight_grad(outs[1], xa[:, r:], c))),
+        "expand gate+up": (lambda: expand_add_(outs, (xa[:, :r], xa[:, r:]), Bs, c),
+                           lambda: (expand_add_(outs[0], xa[:, :r], Bs[0], c),
+                                    expand_add_(outs[1], xa[:, r:], Bs[1], c))),
+        "contract dgate+dup": (lambda: contract(outs, tuple(B.transpose(1, 2) for B in Bs), c, 0.5,
+                                                out=(dxa[:, :r], dxa[:, r:])),
+                               lambda: (contract(outs[0], Bs[0].transpose(1, 2), c, 0.5, out=dxa[:, :r]),
+                                        contract(outs[1], Bs[1].transpose(1, 2), c, 0.5, out=dxa[:, r:]))),
+        "grad dB1+dB3": (lambda: weight_grad(outs, (xa[:, :r], xa[:, r:]), c),
+                         lambda: (weight_grad(outs[0], xa[:, :r], c), weight_grad(outs[1], xa[:, r:], c))),
     }
 
 
@@ -244,9 +247,9 @@ def run(args: argparse.Namespace) -> dict:
                          "tuned_share_of_copy": nbytes / (tuned * 1e-3) / 1e9 / copy_gbs})
 
     sched_fns = {
-        "torch ops (tile_schedule_reference + offsets)": lambda: (lg.tile_schedule_reference(counts, rows_n, 64),
-                                                                   lg._offsets(counts)),
-        "one Triton launch (row_tiles)": lambda: lg.row_tiles(counts, rows_n, 64),
+        "torch ops (tile_schedule_reference + offsets)": lambda: (tile_schedule_reference(counts, rows_n, 64),
+                                                                  row_offsets(counts)),
+        "one Triton launch (row_tiles)": lambda: row_tiles(counts, rows_n, 64),
     }
     sched_ms = {k: {"device_ms": median_ms(f, args.repeats), "host_us": launch_us(f)} for k, f in sched_fns.items()}
     torch_rows = []
@@ -260,8 +263,8 @@ def run(args: argparse.Namespace) -> dict:
     tri.lora_impl = "triton"
     x = torch.randn(rows_n, Lt, device=DEVICE).to(DTYPE).requires_grad_()
     dy = torch.randn(rows_n, Lt, device=DEVICE).to(DTYPE)
-    saved = copy.deepcopy(lg.DEFAULT_BLOCKS)
-    sched = lg.tile_schedule(counts, rows_n, lg.DEFAULT_BLOCKS["expand"]["block_m"])
+    saved = copy.deepcopy(DEFAULT_BLOCKS)
+    sched = tile_schedule(counts, rows_n, DEFAULT_BLOCKS["expand"]["block_m"])
 
     def fwd_bwd(module, blocks=None):
         wrt = [x] + [getattr(module, n) for n in getattr(module, "factor_names", lambda: ())()]
@@ -269,28 +272,28 @@ def run(args: argparse.Namespace) -> dict:
         def step():
             if blocks is not None:
                 for k, v in blocks.items():
-                    lg.DEFAULT_BLOCKS[k].update(v)
+                    DEFAULT_BLOCKS[k].update(v)
             try:
                 torch.autograd.grad(module(x, counts), wrt, grad_outputs=dy)
             finally:
                 for k, v in saved.items():
-                    lg.DEFAULT_BLOCKS[k].update(v)
+                    DEFAULT_BLOCKS[k].update(v)
         return step
 
     module_ms = time_side_by_side({"base": fwd_bwd(base), "triton default tiles": fwd_bwd(tri),
                                    "triton tuned tiles": fwd_bwd(tri, best)}, args.module_repeats, 3, DEVICE)
     for k, v in best.items():
-        lg.DEFAULT_BLOCKS[k].update(v)
+        DEFAULT_BLOCKS[k].update(v)
     profile = kernel_table(fwd_bwd(tri), DEVICE, rows=40)
     host = host_profile({"expand gate, schedule given (x50)": lambda: [
-        lg.expand_add_(o["out"], o["xa2"][:, :r], o["B1"], counts, schedule=sched) for _ in range(50)],
+        expand_add_(o["out"], o["xa2"][:, :r], o["B1"], counts, schedule=sched) for _ in range(50)],
         "module fwd+bwd (x5)": lambda: [fwd_bwd(tri)() for _ in range(5)]}) if args.host_profile else {}
-    lg.DEFAULT_BLOCKS.update(saved)
+    DEFAULT_BLOCKS.update(saved)
     print(profile, file=sys.stderr, flush=True)
     return {
         "bench": "gpu_lora_kernels", "torch": torch.__version__, "dtype": str(DTYPE),
         "device": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu (Triton interpreter)",
-        "triton": lg.triton.__version__,
+        "triton": availability.triton.__version__,
         "shape": {"experts": E, "width": F, "latent": Lt, "rank": r, "rows": rows_n},
         "copy": {"ms": copy_ms, "gb_per_s": copy_gbs, "bytes": 2 * src.numel() * 2},
         "default_blocks": saved, "tuned_blocks": best, "calls": per_call, "pairs": pairs, "sweep": sweep_rows,
@@ -353,7 +356,7 @@ def main(argv: list[str] | None = None) -> dict:
             grid["block_m"], grid["num_warps"] = [16, 32], [4]
             grid[next(k for k in grid if k not in ("block_m", "num_warps"))] = [16]
         STAGES[:] = [2]
-    if not lg.triton_runs_on(DEVICE):
+    if not availability.triton_runs_on(DEVICE):
         raise SystemExit(f"bench/gpu_lora_kernels.py: the Triton kernels do not run on {DEVICE} here (CUDA, or the "
                          "CPU under TRITON_INTERPRET=1)")
     res = run(args)

@@ -2,8 +2,8 @@
 
     python bench/gpu_mxfp4.py --out $OUT/gpu_mxfp4.json     # one EP8 rank's experts: w1/w3- and w2-shaped stacks
 
-Decoders: the Triton kernel (``k3.kernels.mxfp4_triton``, its default tile and a few others), its plain-torch
-fallback, and the CPU codec's table gather run on the GPU (``k3.checkpoint.mxfp4.decode_mxfp4``, the naive
+Decoders: the Triton kernel (``k3.kernels.mxfp4.triton``, its default tile and a few others), its plain-torch
+fallback, and the CPU codec's table gather run on the GPU (``k3.kernels.mxfp4.codec.decode_mxfp4``, the naive
 baseline). Bytes moved per decode = packed + scales read + BF16 written; the copy anchor moves the BF16 output's
 size read + written. Goal: decode >= 50% of the copy's bytes per second (issue #7). Every output is checked bit
 for bit: against the Triton default on the whole tensor, and against the CPU codec on the first expert.
@@ -28,9 +28,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench folder: measure.py
 from measure import elapsed_ms, report  # noqa: E402
 
-from k3.checkpoint.mxfp4 import E8M0_MAX_FINITE_BF16, PairDecoder
-from k3.checkpoint.mxfp4 import decode_mxfp4 as codec_decode
-from k3.kernels.mxfp4_triton import TorchPairDecoder, decode_mxfp4, triton_available
+from k3.kernels.mxfp4.codec import E8M0_MAX_FINITE_BF16, PairDecoder
+from k3.kernels.mxfp4.codec import decode_mxfp4 as codec_decode
+from k3.kernels.mxfp4.triton import TorchPairDecoder, decode_mxfp4, triton_available
 
 GOAL = 0.5
 # (block_rows, block_bytes, num_warps); rows of a multiple of 16 bytes run the flat kernel on tiles of

@@ -18,8 +18,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from k3.kernels.kda_chunk import DEFAULT_CHUNK_SIZE, chunk_kda
-from k3.kernels.kda_naive import naive_recurrent_kda
+from k3.kernels.kda.chunk import DEFAULT_CHUNK_SIZE, chunk_kda
+from k3.kernels.kda.naive import naive_recurrent_kda
 
 
 def cpu_name() -> str:

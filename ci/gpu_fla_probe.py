@@ -20,7 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from k3.kernels.kda import kda_core
+from k3.kernels.kda.fla import kda_core
 
 CASES = {
     # name: (batch, seq, heads, head_dim, dtype, backward, packed lengths or None)

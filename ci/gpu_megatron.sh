@@ -27,7 +27,7 @@ exec > >(tee "$LOG") 2>&1
 # A step that runs over its limit gets SIGABRT: with PYTHONFAULTHANDLER every thread's Python stack is printed.
 export PYTHONFAULTHANDLER=1 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 K3_IN_PROCESS=1
 export TRITON_CACHE_DIR=/tmp/k3-triton-cache
-# fla configs recorded on this GPU (k3/kernels/fla_tuned) skip autotuning; any key still autotuned is printed,
+# fla configs recorded on this GPU (k3/kernels/kda/fla_tuned) skip autotuning; any key still autotuned is printed,
 # so `k3 record-fla-tuning` can add it from this log.
 export TRITON_PRINT_AUTOTUNING=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -65,7 +65,7 @@ for name in ("megatron.core", "fla", "typer", "safetensors", "psutil", "rich", "
         print(f"  {name} MISSING: {type(e).__name__}: {e}")
 EOF
 
-K3="python3 -m k3.launch.cli"
+K3="python3 -m k3"
 step "make-checkpoint (tiny, bf16)" 25 $K3 make-checkpoint --variant tiny --format bf16 --out "$WORK/base" \
     --seed 0 --no-progress
 step "convert hf-to-dist" 40 $K3 convert hf-to-dist --hf-checkpoint "$WORK/base" --save "$WORK/dcp" --no-progress
@@ -112,10 +112,10 @@ EOF
 
 # After the loop (the loop's result matters most); per-test limits print the stacks of a test that runs over.
 # Parity needs correct numbers, not the fastest configs: fla's full mode takes a recorded config for every key
-# (k3/kernels/fla_tuning.py), so the wider slice's new shapes compile once instead of autotuning.
+# (k3/kernels/kda/tuning.py), so the wider slice's new shapes compile once instead of autotuning.
 # K3_GPU_MEGATRON_SKIP_PARITY=1 skips it (a lease that spends its time on the loop with other flags).
 [[ ${K3_GPU_MEGATRON_SKIP_PARITY:-0} == 1 ]] || step "pytest -m gpu tests/parity/test_megatron_gpu.py" 240 \
-    env FLA_CACHE_MODE=full FLA_CONFIG_DIR="$PWD/k3/kernels/fla_tuned/NVIDIA_H200" python3 -m pytest -v -rA -m gpu -p no:randomly -p no:cacheprovider --timeout=200 --durations=10 \
+    env FLA_CACHE_MODE=full FLA_CONFIG_DIR="$PWD/k3/kernels/kda/fla_tuned/NVIDIA_H200" python3 -m pytest -v -rA -m gpu -p no:randomly -p no:cacheprovider --timeout=200 --durations=10 \
     tests/parity/test_megatron_gpu.py
 
 echo

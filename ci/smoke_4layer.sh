@@ -198,7 +198,7 @@ trap 'rm -rf "$PLAN_DIR"' EXIT
 plan_rc=0
 if command -v "$PY" >/dev/null 2>&1 && [[ -z "${V[k3]:-}" ]]; then
     echo "smoke-4layer: resolved plan (k3 train --dry-run)"
-    "$PY" -m k3.launch.cli train "${TRAIN_ARGS[@]}" --dry-run --run-dir "$PLAN_DIR/run" || plan_rc=$?
+    "$PY" -m k3 train "${TRAIN_ARGS[@]}" --dry-run --run-dir "$PLAN_DIR/run" || plan_rc=$?
     if (( plan_rc == 2 )); then
         problem "k3 train --dry-run rejected the configuration (see above)"
     elif (( plan_rc != 0 )); then
@@ -234,7 +234,7 @@ echo "smoke-4layer: training into $RUN_DIR (limit ${K3_SMOKE_TIMEOUT_MIN:-90} mi
 echo "              \`$PY -m harness.cli watch $RUN_DIR --tier 4layer\`)"
 train_rc=0
 timeout --signal=TERM --kill-after=120 "$limit_s" \
-    "$PY" -m k3.launch.cli train "${TRAIN_ARGS[@]}" --run-dir "$RUN_DIR" || train_rc=$?
+    "$PY" -m k3 train "${TRAIN_ARGS[@]}" --run-dir "$RUN_DIR" || train_rc=$?
 if (( train_rc == 124 )); then
     echo "smoke-4layer: training ran past ${K3_SMOKE_TIMEOUT_MIN:-90} min and was stopped" >&2
 elif (( train_rc != 0 )); then

@@ -17,7 +17,7 @@ Safety:
   the released BF16 layout of the config (``k3.checkpoint.layout``).
 - ``--workers N`` converts N shards at once in spawned processes (each dies with the parent). Memory per worker:
   one decoded chunk (``DECODE_CHUNK_BYTES``) plus copy buffers; shards are read piecewise, never loaded whole.
-- ``--device cuda`` decodes on the GPU (``k3.kernels.mxfp4_triton``: Triton, or its torch fallback) in chunks of
+- ``--device cuda`` decodes on the GPU (``k3.kernels.mxfp4.triton``: Triton, or its torch fallback) in chunks of
   ``CUDA_DECODE_CHUNK_BYTES``; the bytes written are identical to ``--device cpu`` (same plan, same manifest, so
   a conversion may resume on the other device), and ``--verify`` still decodes on the CPU, an independent check.
 """
@@ -54,8 +54,8 @@ from k3.checkpoint.hf_io import (
     read_weight_map,
     safetensors_header,
 )
-from k3.checkpoint.mxfp4 import BLOCK_SIZE, MXFP4Error, PairDecoder, packed_shapes
 from k3.config import ConfigError, K3Config
+from k3.kernels.mxfp4.codec import BLOCK_SIZE, MXFP4Error, PairDecoder, packed_shapes
 
 __all__ = [
     "ConvertResult",
@@ -267,7 +267,7 @@ class _Reader:
             self.decoder = PairDecoder()  # its buffers are reused across tensors too
             self.decode_chunk_bytes = DECODE_CHUNK_BYTES
         else:  # torch only where asked for: CPU workers never load it
-            from k3.kernels.mxfp4_triton import TorchPairDecoder
+            from k3.kernels.mxfp4.triton import TorchPairDecoder
 
             self.decoder = TorchPairDecoder(device)
             self.decode_chunk_bytes = CUDA_DECODE_CHUNK_BYTES

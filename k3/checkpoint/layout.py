@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from k3.checkpoint.hf_io import TEXT_PREFIX
-from k3.checkpoint.mxfp4 import packed_shapes
 from k3.config import K3Config
+from k3.kernels.mxfp4.codec import packed_shapes
 
 __all__ = [
     "FORMATS",

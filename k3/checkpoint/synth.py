@@ -41,10 +41,11 @@ from k3.checkpoint.hf_io import (
     commit_output_dir,
 )
 from k3.checkpoint.layout import TensorSpec, checkpoint_layout
-from k3.checkpoint.mxfp4 import decode_mxfp4, encode_mxfp4
-from k3.config import QUANTIZATION_CONFIG_MXFP4, K3Config
+from k3.config import QUANTIZATION_CONFIG_MXFP4, K3Config, variant
+from k3.kernels.mxfp4.codec import decode_mxfp4, encode_mxfp4
 
-__all__ = ["CHUNK_ELEMENTS", "plan_shards", "synthetic_tensor", "write_synthetic_checkpoint", "checkpoint_config"]
+__all__ = ["CHUNK_ELEMENTS", "plan_shards", "synthetic_config", "synthetic_tensor", "write_synthetic_checkpoint",
+           "checkpoint_config"]
 
 CHUNK_ELEMENTS = 1 << 25  # values generated at once (64 MiB of BF16)
 _DT_MIN, _DT_MAX, _DT_FLOOR = 1e-3, 1e-1, 1e-4
@@ -78,6 +79,16 @@ def checkpoint_config(cfg: K3Config, fmt: str) -> dict:
         qc = cfg.quantization_config if cfg.quantization_config is not None else QUANTIZATION_CONFIG_MXFP4
         return cfg.replace(quantization_config=qc).to_hf_dict()
     return cfg.replace(quantization_config=None).to_hf_dict()
+
+
+def synthetic_config(name: str, num_experts: int | None = None, num_layers: int | None = None) -> K3Config:
+    """The config of ``variant(name)`` with the expert count and/or depth changed (top-k capped at the experts)."""
+    cfg = variant(name)
+    if num_layers is not None:
+        cfg = cfg.replace(num_hidden_layers=num_layers)
+    if num_experts is not None:
+        cfg = cfg.replace(num_experts=num_experts, num_experts_per_token=min(cfg.num_experts_per_token, num_experts))
+    return cfg
 
 
 def _generator(seed: int, name: str, chunk: int) -> torch.Generator:

@@ -1,7 +1,8 @@
-"""`k3`: the command line of k3-lora-rl.
+"""`k3` (and `python -m k3`, `torchrun ... -m k3`): the command line of k3-lora-rl.
 
-Each sub-command lives beside the code it drives and is registered here; imports are lazy so `k3 --help`
-stays fast and a missing optional dependency only affects its own command.
+Every sub-command lives in `k3/launch/` (the command line only; the work is done by the part it drives) and is
+registered here by name. The commands keep their heavy imports inside the command, so `k3 --help` stays fast, and a
+command module that fails to import (a missing optional dependency) only makes its own command unavailable.
 """
 
 from __future__ import annotations
@@ -21,14 +22,14 @@ app = typer.Typer(
 
 # (command name, "module:function") — each function is a typer command (annotated parameters).
 COMMANDS: list[tuple[str, str]] = [
-    ("make-checkpoint", "k3.checkpoint.cli:make_checkpoint"),
-    ("prepare-data", "k3.rl.cli:prepare_data"),
+    ("make-checkpoint", "k3.launch.checkpoint_commands:make_checkpoint"),
+    ("prepare-data", "k3.launch.prepare_data:prepare_data"),
     ("train", "k3.launch.train:train"),
-    ("record-fla-tuning", "k3.kernels.fla_tuning:record_fla_tuning"),
+    ("record-fla-tuning", "k3.launch.record_fla_tuning:record_fla_tuning"),
 ]
 # (group name, "module:typer app")
 GROUPS: list[tuple[str, str]] = [
-    ("convert", "k3.checkpoint.cli:convert_app"),
+    ("convert", "k3.launch.checkpoint_commands:convert_app"),
 ]
 
 
@@ -60,9 +61,10 @@ def _missing(name: str, target: str, err: Exception) -> None:
 
 
 def main() -> None:
+    """The ``k3`` script's entry point and ``python -m k3``'s (``k3/__main__.py``)."""
     _register()
     app()
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # `python -m k3.launch.cli` would otherwise import the app and exit 0 having done nothing
     main()

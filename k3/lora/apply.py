@@ -8,7 +8,7 @@ from collections import defaultdict
 from torch import nn
 
 from k3.config import K3Config
-from k3.kernels.lora_grouped import check_kernel_choice
+from k3.kernels.expert_lora.function import check_kernel_choice
 from k3.lora.config import LoRAConfig, LoRAConfigError
 from k3.lora.experts import LoRALatentExperts
 from k3.lora.linear import LoRALinear, new_lora_A

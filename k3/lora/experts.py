@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import k3.kernels.lora_grouped as lora_grouped
-from k3.kernels.expert_lora import SHARED_INPUT, SLOT_MULTIPLE, lora_down, lora_gate_up, slot_width
+import k3.kernels.expert_lora.function as lora_grouped
+from k3.kernels.expert_lora.folded import SHARED_INPUT, SLOT_MULTIPLE, lora_down, lora_gate_up, slot_width
 from k3.kernels.grouped_mm import grouped_mm
 from k3.lora.linear import xavier_bound
 from k3.model.mlp import situ

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from k3.kernels.kda import fla_available, kda_core
+from k3.kernels.kda.fla import fla_available, kda_core
 
 __all__ = [
     "all_gather_sequence",
@@ -281,7 +281,7 @@ class _SendStateAlong(torch.autograd.Function):
 def cp_kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 scale: float, group, backend: str = "auto") -> torch.Tensor:
     """The KDA core of the whole sequence on this rank's load-balanced tokens; returns ``o`` ``[batch,
-    seq_local, heads, V]`` in v's dtype (same inputs as ``k3.kernels.kda.kda_core``, each ``[batch, seq_local,
+    seq_local, heads, V]`` in v's dtype (same inputs as ``k3.kernels.kda.fla.kda_core``, each ``[batch, seq_local,
     …]``: this rank's front chunk then its back chunk).
 
     ``backend``: ``auto`` = fla's CP kernels on CUDA when fla imports, else the torch state chain;

@@ -122,7 +122,7 @@ def hf_to_dist(
 ) -> None:
     """Convert a BF16 HF checkpoint to a megatron torch_dist checkpoint; run it under torchrun.
 
-    torchrun --nproc-per-node N -m k3.launch.cli convert hf-to-dist --hf-checkpoint BF16 --save DCP \
+    torchrun --nproc-per-node N -m k3 convert hf-to-dist --hf-checkpoint BF16 --save DCP \
 --tensor-model-parallel-size T --expert-model-parallel-size E (N a multiple of T·PP and of E·PP). \
 The result loads under any other layout (DCP re-shards at load)."""
     if dtype not in _DTYPES:

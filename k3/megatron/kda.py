@@ -21,7 +21,7 @@ from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attri
 from megatron.core.transformer.module import MegatronModule
 from torch import nn
 
-from k3.kernels.kda import kda_core
+from k3.kernels.kda.fla import kda_core
 from k3.megatron.config import K3TransformerConfig
 from k3.megatron.context_parallel import cp_causal_conv, cp_kda_core
 from k3.megatron.linears import ColumnParallel, DuplicatedLinear, RowParallel, enter_tp_region, mark_grad_sum

@@ -37,7 +37,7 @@ from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from torch import nn
 
-import k3.kernels.lora_grouped as lora_grouped
+import k3.kernels.expert_lora.function as lora_grouped
 from k3.kernels.grouped_mm import grouped_mm
 from k3.lora.config import LoRAConfig, LoRAConfigError
 from k3.lora.sharding import ParallelLayout, factor_rule, gather, grad_sum_group, local_shape, shard
@@ -175,7 +175,7 @@ class ExpertLoRA(LoRAAdapter):
 
     ``kernel="torch"``: ``forward`` returns the delta and the base adds it (torch's grouped GEMM). ``"triton"``:
     ``base_plus_delta`` runs the base grouped GEMM and adds the adapter into its output (and into its input
-    gradient) in the Triton kernels' epilogues (``k3/kernels/lora_grouped.py``), except while dropout is active.
+    gradient) in the Triton kernels' epilogues (``k3/kernels/expert_lora/``), except while dropout is active.
     """
 
     def __init__(self, kernel: str = "torch", **kw) -> None:

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3.config import K3Config
-from k3.kernels.kda import kda_core, kda_gate
+from k3.kernels.kda.fla import kda_core
+from k3.kernels.kda.gate import kda_gate
 from k3.model.cache import KDALayerState
 from k3.model.norm import GatedRMSNorm
 from k3.model.precision import KeepsFloat32

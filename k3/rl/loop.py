@@ -564,7 +564,7 @@ def _require_expert_lora_kernel(kernel: str, device: str) -> None:
     first training step, after the warm-up and the first rollout)."""
     if kernel in ("torch", "auto"):  # auto falls back to torch where the kernels cannot run
         return
-    from k3.kernels import lora_grouped
+    from k3.kernels.expert_lora import availability as lora_grouped
 
     if not lora_grouped.triton_available():
         raise TrainingError("--expert-lora-kernel triton needs Triton (on a CUDA machine: pip install triton); "

@@ -8,9 +8,9 @@ import torch
 
 from k3.checkpoint.convert import convert_mxfp4_to_bf16
 from k3.checkpoint.hf_io import load_state_dict
-from k3.checkpoint.mxfp4 import decode_mxfp4
 from k3.checkpoint.synth import write_synthetic_checkpoint
 from k3.config import K3Config, variant
+from k3.kernels.mxfp4.codec import decode_mxfp4
 
 model_mod = pytest.importorskip("k3.model")
 

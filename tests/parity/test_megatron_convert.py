@@ -1,8 +1,9 @@
 """``k3 convert hf-to-dist`` / ``dist-to-hf`` on CPU (gloo), without the test compatibility module.
 
-hf-to-dist runs under torchrun at TP2 x EP2 (so both the TP split and the expert split are re-sharded at
-load); the checkpoint then loads into a TP1 model whose every tensor equals the HF one, and dist-to-hf gives
-back the HF checkpoint bit for bit.
+hf-to-dist runs under torchrun at TP2 x EP2 in the documented form (``torchrun --nproc-per-node 2 -m k3 convert
+hf-to-dist ... --tensor-model-parallel-size 2 --expert-model-parallel-size 2``), so both the TP split and the expert
+split are re-sharded at load; the checkpoint then loads into a TP1 model whose every tensor equals the HF one,
+and dist-to-hf gives back the HF checkpoint bit for bit.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def converted(tmp_path_factory, cfg):
     tmp = tmp_path_factory.mktemp("megatron_convert")
     hf = write_synthetic_checkpoint(cfg, tmp / "hf", "bf16", seed=3, max_shard_size=400_000, progress=False)
     dcp = tmp / "dcp"
-    run_workers(["-m", "k3.launch.cli", "convert", "hf-to-dist", "--hf-checkpoint", str(hf), "--save", str(dcp),
+    run_workers(["-m", "k3", "convert", "hf-to-dist", "--hf-checkpoint", str(hf), "--save", str(dcp),
                  "--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2", "--no-progress"],
                 nproc=2)
     return tmp, hf, dcp
@@ -88,7 +89,7 @@ def test_dist_to_hf_round_trip_is_bit_exact(converted):
 
     tmp, hf, dcp = converted
     back = tmp / "hf_back"
-    run_workers(["-m", "k3.launch.cli", "convert", "dist-to-hf", "--load", str(dcp), "--save", str(back),
+    run_workers(["-m", "k3", "convert", "dist-to-hf", "--load", str(dcp), "--save", str(back),
                  "--max-shard-size", "300KB", "--no-progress"], nproc=1)
     a, b = load_state_dict(hf, strip_prefix=None), load_state_dict(back, strip_prefix=None)
     assert sorted(a) == sorted(b)
@@ -160,7 +161,7 @@ def test_dist_to_hf_refuses_a_non_empty_save_dir(converted, tmp_path):
 def test_cli_reports_errors_with_exit_code_1(tmp_path):
     from typer.testing import CliRunner
 
-    from k3.checkpoint.cli import convert_app
+    from k3.launch.checkpoint_commands import convert_app
 
     result = CliRunner().invoke(convert_app, ["dist-to-hf", "--load", str(tmp_path), "--save",
                                               str(tmp_path / "out")])

@@ -65,7 +65,7 @@ def _check_primitives(cp: int = PRIMITIVE_CP, s: int = 32, d: int = 8, device: s
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from k3.kernels.kda import kda_core
+    from k3.kernels.kda.fla import kda_core
     from k3.megatron.config import ParallelSizes
     from k3.megatron.context_parallel import (
         cp_causal_attention,
@@ -202,7 +202,7 @@ def test_cp2_primitives_on_two_gpus_fla_and_torch_chain(tmp_path):
     print({k: f"{v:.2e}" for k, v in errs.items()})
     assert len(errs) == 24  # 7 fla, 7 torch-chain, 6 conv, 4 attention checks
     for name, err in errs.items():
-        # fla's chunk matmuls run in TF32 (k3.kernels.kda: chunk_kda vs torch 6e-4 outputs, 2e-3 state)
+        # fla's chunk matmuls run in TF32 (k3.kernels.kda.fla: chunk_kda vs torch 6e-4 outputs, 2e-3 state)
         assert err < (1e-2 if name.startswith("kda_fla") else 1e-4), (name, err)
 
 

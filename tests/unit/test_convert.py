@@ -20,7 +20,6 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from k3.checkpoint import convert as convert_mod
-from k3.checkpoint.cli import convert_app
 from k3.checkpoint.convert import (
     MANIFEST_NAME,
     SLOW_SHARD_ENV,
@@ -31,6 +30,7 @@ from k3.checkpoint.convert import (
 from k3.checkpoint.hf_io import INDEX_NAME, CheckpointError, load_state_dict, read_safetensors_header
 from k3.checkpoint.synth import write_synthetic_checkpoint
 from k3.config import variant
+from k3.launch.checkpoint_commands import convert_app
 
 SEED = 5
 SHARD = 60_000  # bytes: the tiny checkpoint (~1 MB) spreads over many shards
@@ -351,7 +351,7 @@ def test_cli_reports_errors_and_success(native, converted, tmp_path):
 # ------------------------------------------------------------------------------------------------ kill and resume
 def test_kill_then_resume_is_byte_identical(native, converted, tmp_path):
     out = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "k3.launch.cli", "convert", "mxfp4-to-bf16", "--model-dir", str(native),
+    cmd = [sys.executable, "-m", "k3", "convert", "mxfp4-to-bf16", "--model-dir", str(native),
            "--save-dir", str(out), "--workers", "2", "--no-progress"]
     env = {**os.environ, SLOW_SHARD_ENV: "0.3"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -9,8 +9,8 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from k3.launch.prepare_data import prepare_data as prepare_data_cmd
 from k3.rl import data as data_mod
-from k3.rl.cli import prepare_data as prepare_data_cmd
 from k3.rl.data import (
     DataError,
     DataFormatError,
@@ -316,7 +316,7 @@ def test_cli_from_local_prints_the_layout(tmp_path):
 
 def test_cli_offline_end_to_end(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_ENDPOINT=_closed_port_endpoint())
-    cmd = [sys.executable, "-m", "k3.launch.cli", "prepare-data", "--task", "dapo-math", "--data-dir", str(tmp_path)]
+    cmd = [sys.executable, "-m", "k3", "prepare-data", "--task", "dapo-math", "--data-dir", str(tmp_path)]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 1, p.stderr
     assert "k3 prepare-data: cannot download zhuzilin/dapo-math-17k" in p.stderr

@@ -1,4 +1,4 @@
-"""Pinned fla autotune results (k3/kernels/fla_tuning.py): Triton's autotune printout parsed into fla's config
+"""Pinned fla autotune results (k3/kernels/kda/tuning.py): Triton's autotune printout parsed into fla's config
 files, the md5 entry ids fla looks up, merging, and when pinning happens (CPU; no fla or Triton needed)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from k3.kernels import fla_tuning
-from k3.kernels.fla_tuning import (SHIPPED, TunedConfig, gpu_dir_name, key_hash, parse_autotune_log,
+from k3.kernels.kda import tuning as fla_tuning
+from k3.kernels.kda.tuning import (SHIPPED, TunedConfig, gpu_dir_name, key_hash, parse_autotune_log,
                                    pin_fla_configs, write_config_dir)
 
 # Two blocks as Triton 3.6 prints them (from ci/gpu_fla_probe.py on the H200), with the candidates' lines and
@@ -156,11 +156,11 @@ def test_record_command_writes_the_folder_and_refuses_logs_without_results(tmp_p
 
 
 def test_the_kda_dispatch_pins_before_importing_fla(clean_env):
-    """``k3.kernels.kda`` calls the pinning on a CUDA machine before its first ``import fla`` (which fails here,
+    """``k3.kernels.kda.fla`` calls the pinning on a CUDA machine before its first ``import fla`` (which fails here,
     without Triton: the dispatch then reports fla as unavailable, as before)."""
     import os
 
-    from k3.kernels import kda
+    from k3.kernels.kda import fla as kda
 
     clean_env.setattr(kda.torch.cuda, "is_available", lambda: True)
     clean_env.setattr(kda.torch.cuda, "get_device_name", lambda index=0: "NVIDIA H200")

@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import k3.kernels.expert_lora as expert_lora_mod
-import k3.kernels.lora_grouped as lora_grouped_mod
+import k3.kernels.expert_lora.folded as folded_mod
+import k3.kernels.expert_lora.function as lora_function_mod
 import k3.lora.experts as lora_experts_mod
 import k3.model.moe as moe_mod
+from k3.kernels.expert_lora.triton import DEFAULT_BLOCKS, cpu_interpreter_problem
 from k3.kernels.grouped_mm import grouped_mm
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "gpu_expert_lora.py"
@@ -70,15 +71,15 @@ def test_expert_counts_are_seeded_and_sum_to_the_rows():
 
 def test_forced_impl_patches_every_module_and_restores_them():
     def current():
-        return (moe_mod.grouped_mm, lora_experts_mod.grouped_mm, expert_lora_mod.grouped_mm,
-                expert_lora_mod.grouped_weight_grad, lora_grouped_mod.grouped_mm)
+        return (moe_mod.grouped_mm, lora_experts_mod.grouped_mm, folded_mod.grouped_mm,
+                folded_mod.grouped_weight_grad, lora_function_mod.grouped_mm)
 
     before = current()
     with bench.forced_impl("padded"):
         assert moe_mod.grouped_mm.keywords == {"impl": "padded"}
-        assert lora_experts_mod.grouped_mm is moe_mod.grouped_mm is expert_lora_mod.grouped_mm
-        assert lora_grouped_mod.grouped_mm is moe_mod.grouped_mm
-        assert expert_lora_mod.grouped_weight_grad.keywords == {"impl": "padded"}
+        assert lora_experts_mod.grouped_mm is moe_mod.grouped_mm is folded_mod.grouped_mm
+        assert lora_function_mod.grouped_mm is moe_mod.grouped_mm
+        assert folded_mod.grouped_weight_grad.keywords == {"impl": "padded"}
     assert current() == before
     with pytest.raises(RuntimeError), bench.forced_impl("native"):
         raise RuntimeError("boom")
@@ -134,7 +135,7 @@ def test_a_failing_triton_path_costs_only_its_own_rows(monkeypatch, capsys):
     def broken(*args, **kwargs):
         raise RuntimeError("planted kernel failure")
 
-    monkeypatch.setattr(lora_grouped_mod, "lora_gate_up", broken)
+    monkeypatch.setattr(lora_function_mod, "lora_gate_up", broken)
     monkeypatch.setattr(lora_experts_mod.LoRALatentExperts, "_use_triton", lambda self, rows: self.lora_impl == "triton")
     result = bench.main(["--device", "cpu", "--dtype", "fp32", "--experts", "4", "--latent", "32", "--width", "48",
                          "--tokens-per-expert", "5", "--rank", "4", "--repeats", "1", "--warmup", "1",
@@ -147,13 +148,13 @@ def test_a_failing_triton_path_costs_only_its_own_rows(monkeypatch, capsys):
     assert "| native | triton | triton failed: RuntimeError: planted kernel failure" in capsys.readouterr().out
 
 
-_NO_TRITON = lora_grouped_mod.cpu_interpreter_problem()
+_NO_TRITON = cpu_interpreter_problem()
 needs_triton_here = pytest.mark.skipif(_NO_TRITON is not None, reason=_NO_TRITON or "")
 
 
 @needs_triton_here
 def test_triton_lora_rows_where_triton_runs(capsys):
-    defaults = {k: v["block_m"] for k, v in lora_grouped_mod.DEFAULT_BLOCKS.items()}
+    defaults = {k: v["block_m"] for k, v in DEFAULT_BLOCKS.items()}
     result = bench.main(["--device", "cpu", "--dtype", "fp32", "--experts", "4", "--latent", "32", "--width", "48",
                          "--tokens-per-expert", "9", "--rank", "4", "--repeats", "1", "--warmup", "1",
                          "--impls", "native", "--triton-block-m", "16"])
@@ -162,7 +163,7 @@ def test_triton_lora_rows_where_triton_runs(capsys):
     assert [a["pair"] for a in result["lora_output_agreement"]][-2:] == [
         "native/triton vs native/fused", "native/triton bm16 vs native/fused"]
     assert all(a["rel"] <= REL_FP32 for a in result["lora_output_agreement"])
-    assert {k: v["block_m"] for k, v in lora_grouped_mod.DEFAULT_BLOCKS.items()} == defaults  # restored
+    assert {k: v["block_m"] for k, v in DEFAULT_BLOCKS.items()} == defaults  # restored
     assert "| native | triton bm16 |" in capsys.readouterr().out
 
 

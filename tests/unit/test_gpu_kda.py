@@ -12,10 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from k3.kernels import kda as kda_mod
-from k3.kernels.kda import fla_available, kda_core, kda_core_with_gate, kda_gate
-from k3.kernels.kda_chunk import chunk_kda
-from k3.kernels.kda_naive import naive_recurrent_kda
+from k3.kernels.kda import fla as kda_mod
+from k3.kernels.kda.chunk import chunk_kda
+from k3.kernels.kda.fla import fla_available, kda_core, kda_core_with_gate
+from k3.kernels.kda.gate import kda_gate
+from k3.kernels.kda.naive import naive_recurrent_kda
 import k3.model.kda as model_kda
 
 ATOL = 1e-5

@@ -1,5 +1,5 @@
 """MXFP4 decode off the CPU codec: the torch fallback (CPU-runnable), the Triton kernel (CUDA), the dispatch, and
-``k3 convert mxfp4-to-bf16 --device cuda``. Every decode is compared bit for bit with ``k3.checkpoint.mxfp4``."""
+``k3 convert mxfp4-to-bf16 --device cuda``. Every decode is compared bit for bit with ``k3.kernels.mxfp4.codec``."""
 
 from __future__ import annotations
 
@@ -13,20 +13,20 @@ import torch
 from typer.testing import CliRunner
 
 from k3.checkpoint import convert as convert_mod
-from k3.checkpoint.cli import convert_app
 from k3.checkpoint.convert import convert_mxfp4_to_bf16
 from k3.checkpoint.hf_io import CheckpointError
-from k3.checkpoint.mxfp4 import E8M0_MAX_FINITE_BF16, MXFP4Error, PairDecoder
-from k3.checkpoint.mxfp4 import decode_mxfp4 as codec_decode
 from k3.checkpoint.synth import write_synthetic_checkpoint
 from k3.config import variant
-from k3.kernels import mxfp4_triton
-from k3.kernels.mxfp4_triton import (
+from k3.kernels.mxfp4 import triton as mxfp4_triton
+from k3.kernels.mxfp4.codec import E8M0_MAX_FINITE_BF16, MXFP4Error, PairDecoder
+from k3.kernels.mxfp4.codec import decode_mxfp4 as codec_decode
+from k3.kernels.mxfp4.triton import (
     TorchPairDecoder,
     decode_mxfp4,
     decode_mxfp4_torch,
     triton_available,
 )
+from k3.launch.checkpoint_commands import convert_app
 
 HAS_CUDA = torch.cuda.is_available()
 needs_no_cuda = pytest.mark.skipif(HAS_CUDA, reason="checks the error without a CUDA device")

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from k3.config import variant
-from k3.kernels.kda import kda_core
-from k3.kernels.kda_chunk import MAX_FACTORED_LOG_SPAN, chunk_kda, intra_chunk_scores
-from k3.kernels.kda_naive import naive_recurrent_kda
+from k3.kernels.kda.chunk import MAX_FACTORED_LOG_SPAN, chunk_kda, intra_chunk_scores
+from k3.kernels.kda.fla import kda_core
+from k3.kernels.kda.naive import naive_recurrent_kda
 from k3.model.cache import K3Cache
 from k3.model.kda import KDAttention, kda_gate, l2_normalize
 from k3.model.model import KimiK3ForCausalLM
@@ -186,7 +186,7 @@ def test_kda_core_dispatch_and_errors():
         kda_core(q, k, v, g, beta, initial_state=s0[:, :1])
     with pytest.raises(ValueError, match="backend='nope'"):
         kda_core(q, k, v, g, beta, backend="nope")
-    from k3.kernels.kda import fla_available
+    from k3.kernels.kda.fla import fla_available
     if not fla_available():
         with pytest.raises(RuntimeError, match="flash-linear-attention"):
             kda_core(q, k, v, g, beta, backend="fla")
@@ -196,7 +196,7 @@ def test_kda_core_dispatch_and_errors():
 
 @pytest.mark.gpu
 def test_fla_backend_matches_torch_on_cuda():
-    from k3.kernels.kda import fla_available
+    from k3.kernels.kda.fla import fla_available
     if not fla_available():
         pytest.skip("flash-linear-attention with Triton is not importable")
     for T in (1, 100):

@@ -390,7 +390,7 @@ def test_help_lists_every_flag_with_default_and_variable():
 
 def test_expert_lora_kernel_choices_are_the_kernel_modules():
     """args.py keeps its own copy (it must not load torch and Triton just to parse flags): they may not drift."""
-    from k3.kernels.lora_grouped import KERNEL_CHOICES
+    from k3.kernels.expert_lora.function import KERNEL_CHOICES
     from k3.launch.args import EXPERT_LORA_KERNELS
 
     assert EXPERT_LORA_KERNELS == KERNEL_CHOICES

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-import k3.kernels.expert_lora as expert_lora
+import k3.kernels.expert_lora.folded as folded
 import k3.lora.experts as lora_experts
 import k3.model.moe as moe
 from k3.lora.experts import LoRALatentExperts
@@ -122,7 +122,7 @@ def test_batched_over_experts_no_python_loop(monkeypatch, fused, gate_up_calls, 
         calls["n"] += 1
         return real(*a, **k)
 
-    for mod in (lora_experts, moe, expert_lora):
+    for mod in (lora_experts, moe, folded):
         monkeypatch.setattr(mod, "grouped_mm", counting)
     for num_experts in (4, 32):
         _, m = _experts(num_experts=num_experts)
@@ -317,7 +317,7 @@ def test_fused_layouts_with_padded_slots_equal_the_plain_path(multiple, shared):
 
 
 def test_slot_width():
-    from k3.kernels.expert_lora import slot_width
+    from k3.kernels.expert_lora.folded import slot_width
 
     assert slot_width(3584, 32) == 32 and slot_width(3584, 32, 64) == 64 and slot_width(3584, 32, 128) == 128
     assert slot_width(3072, 32, 256) == 256 and slot_width(16, 4, 8) == 8

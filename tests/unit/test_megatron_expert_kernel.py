@@ -1,6 +1,6 @@
 """The Megatron backend's routed-expert adapters on either kernel (``expert_lora_kernel``): ``torch`` (the delta
 from torch's grouped GEMM, added by the base) or ``triton`` (the Triton kernels add it into the base's output,
-``k3/kernels/lora_grouped.py``). One rank, no process group: the adapters only need the TP/EP sizes and ranks.
+``k3/kernels/expert_lora/``). One rank, no process group: the adapters only need the TP/EP sizes and ranks.
 
 The ``triton`` parity tests run on the CPU under Triton's interpreter (``make test-interpret``: its own venv with
 triton 3.6 and megatron-core) and skip in the project's venv, which has no Triton; ``test_lora_grouped.py`` runs
@@ -17,7 +17,8 @@ import pytest
 import torch
 from torch import nn
 
-import k3.kernels.lora_grouped as lg
+from k3.kernels.expert_lora import availability, function
+from k3.kernels.expert_lora.triton import DEFAULT_BLOCKS, cpu_interpreter_problem
 from k3.lora.config import LoRAConfig
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (a GPU lease carries it as a wheel)")
@@ -28,10 +29,10 @@ COUNTS = [0, 1, 37, 16, 5, 0, 2]  # experts with 0 and 1 rows, several 16-row ti
 E, LT, FI, RANK = len(COUNTS), 16, 12, 3
 REL = 1e-5
 
-_PROBLEM = lg.cpu_interpreter_problem()
+_PROBLEM = cpu_interpreter_problem()
 needs_interpreter = pytest.mark.skipif(_PROBLEM is not None, reason=_PROBLEM or "")
-needs_cuda_triton = pytest.mark.skipif(not (torch.cuda.is_available() and lg.triton_available()
-                                            and not lg._INTERPRETING),
+needs_cuda_triton = pytest.mark.skipif(not (torch.cuda.is_available() and availability.triton_available()
+                                            and not availability.INTERPRETING),
                                        reason="needs a CUDA device and Triton (compiled, TRITON_INTERPRET unset)")
 
 
@@ -94,8 +95,8 @@ def test_torch_kernel_adds_the_delta_after_the_base_and_never_calls_the_kernels(
     def boom(*a, **k):
         raise AssertionError("the torch kernel called a Triton wrapper")
 
-    monkeypatch.setattr(lg, "lora_fc1", boom)
-    monkeypatch.setattr(lg, "lora_down", boom)
+    monkeypatch.setattr(function, "lora_fc1", boom)
+    monkeypatch.setattr(function, "lora_down", boom)
     linear = _linear(which)
     assert "kernel=torch" in repr(linear.lora)
     x, _ = _inputs(which)
@@ -105,14 +106,14 @@ def test_torch_kernel_adds_the_delta_after_the_base_and_never_calls_the_kernels(
 
 
 def test_triton_where_it_cannot_run_says_so_at_the_forward(monkeypatch):
-    monkeypatch.setattr(lg, "triton_available", lambda: True)
-    monkeypatch.setattr(lg, "triton_runs_on", lambda device: False)
+    monkeypatch.setattr(availability, "triton_available", lambda: True)
+    monkeypatch.setattr(availability, "triton_runs_on", lambda device: False)
     linear = _linear("fc2", kernel="triton")
     x, _ = _inputs("fc2")
     with pytest.raises(ValueError, match="expert_lora_kernel='triton': the Triton kernels cannot run on cpu.*use "
                                          "expert_lora_kernel='torch'"):
         linear(x, torch.tensor(COUNTS))
-    monkeypatch.setattr(lg, "triton_available", lambda: False)
+    monkeypatch.setattr(availability, "triton_available", lambda: False)
     with pytest.raises(ValueError, match="expert_lora_kernel='triton' needs Triton"):
         _linear("fc1", kernel="triton")
 
@@ -122,14 +123,14 @@ def test_triton_where_it_cannot_run_says_so_at_the_forward(monkeypatch):
 @pytest.mark.parametrize("which", ["fc1", "fc2"])
 def test_triton_kernel_equals_the_torch_kernel_forward_and_every_gradient(monkeypatch, which, device="cpu"):
     for kernel in ("expand", "contract", "weight_grad"):  # small tiles: several per expert, partial ones
-        monkeypatch.setitem(lg.DEFAULT_BLOCKS[kernel], "block_m", 16)
+        monkeypatch.setitem(DEFAULT_BLOCKS[kernel], "block_m", 16)
     plain = _linear(which).to(device)
     fast = copy.deepcopy(plain)
     fast.lora.kernel = "triton"
     calls = []
     for name in ("lora_fc1", "lora_down"):
-        real = getattr(lg, name)
-        monkeypatch.setattr(lg, name, lambda *a, _real=real, _n=name, **k: calls.append(_n) or _real(*a, **k))
+        real = getattr(function, name)
+        monkeypatch.setattr(function, name, lambda *a, _real=real, _n=name, **k: calls.append(_n) or _real(*a, **k))
     x, dy = (t.to(device) for t in _inputs(which))
     got, want = _forward_backward(fast, x, dy), _forward_backward(plain, x, dy)
     assert calls == ["lora_fc1" if which == "fc1" else "lora_down"]  # the kernels ran, not the torch path
@@ -153,7 +154,7 @@ def test_triton_kernel_leaves_dropout_to_the_torch_path_while_training(monkeypat
     def boom(*a, **k):
         raise AssertionError("dropout is applied by the torch path only")
 
-    monkeypatch.setattr(lg, "lora_fc1", boom)
+    monkeypatch.setattr(function, "lora_fc1", boom)
     linear = _linear("fc1", kernel="triton", dropout=0.5)
     x, _ = _inputs("fc1")
     linear.train()

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from k3.checkpoint.mxfp4 import (
+from k3.kernels.mxfp4.codec import (
     BLOCK_SIZE,
     E2M1_VALUES,
     MXFP4Error,

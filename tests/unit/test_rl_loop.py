@@ -174,11 +174,11 @@ def test_the_leak_baseline_is_taken_after_the_first_sync_that_follows_training()
 def test_triton_expert_kernel_where_it_cannot_run_stops_before_anything_starts(setup, monkeypatch, capsys,
                                                                                have_triton, says):
     """It would fail only at the first training step, after the warm-up and the first rollout."""
-    import k3.kernels.lora_grouped as lg
+    from k3.kernels.expert_lora import availability
 
     monkeypatch.setenv("K3_IN_PROCESS", "1")
-    monkeypatch.setattr(lg, "triton_available", lambda: have_triton)
-    monkeypatch.setattr(lg, "triton_runs_on", lambda device: False)
+    monkeypatch.setattr(availability, "triton_available", lambda: have_triton)
+    monkeypatch.setattr(availability, "triton_runs_on", lambda device: False)
     run = setup / f"run-triton-{have_triton}"
     assert train_main(_argv(setup, run, "--expert-lora-kernel", "triton")) == 1
     assert f"k3 train: error: {says}" in capsys.readouterr().err

@@ -14,12 +14,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from k3.checkpoint.cli import make_checkpoint, synthetic_config
 from k3.checkpoint.hf_io import INDEX_NAME, CheckpointError, load_state_dict, read_safetensors_header
 from k3.checkpoint.layout import checkpoint_layout
-from k3.checkpoint.mxfp4 import decode_mxfp4
-from k3.checkpoint.synth import plan_shards, write_synthetic_checkpoint
+from k3.checkpoint.synth import plan_shards, synthetic_config, write_synthetic_checkpoint
 from k3.config import QUANTIZATION_CONFIG_MXFP4, K3Config, variant
+from k3.kernels.mxfp4.codec import decode_mxfp4
+from k3.launch.checkpoint_commands import make_checkpoint
 
 P = "language_model."
 

@@ -1,4 +1,4 @@
-"""KDA core dispatch: one entry point, the best implementation for the device.
+"""KDA core dispatch: one entry point, the best implementation for the device (``kda_core``, ``kda_core_with_gate``).
 
 - CUDA with ``fla`` importable: fla's Triton kernels, ``fused_recurrent_kda`` for decode (one token per
   sequence, no gradient needed: it has no backward) and ``chunk_kda`` otherwise (flash-linear-attention 0.6.0
@@ -32,13 +32,13 @@ from collections.abc import Sequence
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 
-from k3.kernels.fla_tuning import pin_fla_configs
-from k3.kernels.kda_chunk import DEFAULT_CHUNK_SIZE, chunk_kda
-from k3.kernels.kda_naive import naive_recurrent_kda
+from k3.kernels.kda.chunk import DEFAULT_CHUNK_SIZE, chunk_kda
+from k3.kernels.kda.gate import kda_gate
+from k3.kernels.kda.naive import naive_recurrent_kda
+from k3.kernels.kda.tuning import pin_fla_configs
 
-__all__ = ["FLA_SAFE_GATE_RANGE", "Backend", "fla_available", "kda_core", "kda_core_with_gate", "kda_gate"]
+__all__ = ["FLA_SAFE_GATE_RANGE", "Backend", "fla_available", "kda_core", "kda_core_with_gate"]
 
 Backend = Literal["auto", "torch_chunk", "torch_naive", "fla"]
 
@@ -213,27 +213,6 @@ def _fla_core(q, k, v, g, beta, scale, initial_state, cu, safe_gate: bool):
 
 
 # ------------------------------------------------------------------------------------------------ with the gate
-def kda_gate(z: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
-             lower_bound: float | None) -> torch.Tensor:
-    """K3's log-space decay from the raw gate logit, in torch (the model's KDA layer and the CPU oracle of fla's
-    in-kernel gate).
-
-    Args:
-        z: ``[..., heads, K]`` raw logit. A_log: ``[heads]``. dt_bias: ``[heads * K]``.
-        lower_bound: negative bound (``lb · sigmoid(exp(A_log) · (z + dt_bias))``) or None
-            (``-exp(A_log) · softplus(z + dt_bias)``).
-
-    Returns:
-        ``[..., heads, K]`` float32 log decay.
-    """
-    heads, K = z.shape[-2:]
-    z = z.float() + dt_bias.float().view(heads, K)
-    rate = A_log.float().exp().view(heads, 1)
-    if lower_bound is None:
-        return -rate * F.softplus(z)
-    return lower_bound * torch.sigmoid(rate * z)
-
-
 def kda_core_with_gate(
     q: torch.Tensor,
     k: torch.Tensor,

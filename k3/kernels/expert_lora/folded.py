@@ -1,5 +1,7 @@
 """Shared-outer expert LoRA folded into the base grouped GEMMs: the adapter rides along as extra K (or N) columns.
 
+Measured slower; kept only as a comparison (see the end of this docstring).
+
 The plain math (``k3/lora/experts.py``, the default and the reference) runs the base GEMM and the rank-r GEMMs
 separately and then adds full-width outputs. Here, for expert ``e`` with ``s = alpha / r`` and ``xa = s · x Aᵀ``:
 
@@ -14,9 +16,12 @@ Parameter (``[E, F, r]``: a 22 MB copy at K3 widths). The backward is written ou
 for the input gradient (its extra K/N columns are the gradients of ``xa`` / ``ha``), and a row-grouped ``gᵀ x``
 for each per-expert factor.
 
-Measured on the H200 (docs/PERFORMANCE.md), this is slower than the plain path: torch's grouped GEMM loses 8–12%
-of its speed at any K other than the base's, more than the passes over memory it saves. It is therefore opt-in
-(``LoRALatentExperts(fused=True)``).
+Measured on the H200 (docs/PERFORMANCE.md), this is slower than the plain path and than the Triton kernels
+(``function.py``): forward+backward +19-21% over the frozen base vs +17-18% plain and +10% Triton, because torch's
+grouped GEMM loses 8–12% of its speed at any K other than the base's, more than the passes over memory it saves. It
+is no user choice (no flag selects it; ``--expert-lora-kernel`` picks between the plain path and the kernels): it
+stays only as the comparison ``bench/gpu_expert_lora.py`` measures and the tests check, reachable as
+``LoRALatentExperts(fused=True)``.
 
 The adapter slot is read again in backward: the adapter must not change between a forward and its backward (an
 optimizer step always comes after the backward). Dropout on the adapter input is not folded (the adapter would

@@ -11,8 +11,9 @@ fla can read the choice from JSON files instead (``fla/ops/utils/cache.py``: ``F
 to look them up). This module
 
 - records: turns Triton's ``TRITON_PRINT_AUTOTUNING=1`` output into such files
-  (``k3 record-fla-tuning LOG... --out DIR``), merging with the files already there;
-- pins: before fla is first imported, points fla at the files shipped in ``k3/kernels/fla_tuned/<GPU>/``
+  (``write_config_dir``, which ``k3 record-fla-tuning LOG... --out DIR`` runs), merging with the files already
+  there;
+- pins: before fla is first imported, points fla at the files shipped in ``k3/kernels/kda/fla_tuned/<GPU>/``
   for this GPU in ``strict`` mode: only an exact key (same kernel, shapes class and dtypes) reuses a recorded
   config; every other key is autotuned as before. Nothing is pinned when the user set ``FLA_CONFIG_DIR`` or
   ``FLA_CACHE_MODE`` (theirs wins), when ``K3_FLA_PINNED_CONFIGS=0``, when no files were recorded for this
@@ -36,12 +37,10 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
-
-import typer
+from typing import Any
 
 __all__ = ["SHIPPED", "TunedConfig", "gpu_dir_name", "key_hash", "parse_autotune_log", "pin_fla_configs",
-           "record_fla_tuning", "write_config_dir"]
+           "write_config_dir"]
 
 SHIPPED = Path(__file__).with_name("fla_tuned")
 MANIFEST = "manifest.json"  # not a kernel name: fla only opens {kernel}.json for kernels it runs
@@ -167,24 +166,3 @@ def pin_fla_configs(device_name: str | None, root: Path = SHIPPED) -> Path | Non
     os.environ["FLA_CONFIG_DIR"] = str(folder)
     os.environ["FLA_CACHE_MODE"] = "strict"
     return folder
-
-
-def record_fla_tuning(
-    logs: Annotated[list[Path], typer.Argument(help="logs of runs made with TRITON_PRINT_AUTOTUNING=1")],
-    out: Annotated[Path, typer.Option(help="config folder, e.g. k3/kernels/fla_tuned/NVIDIA_H200 (merged into)")],
-    fla_core: Annotated[str, typer.Option(help="fla-core version the logs were made with")],
-    triton: Annotated[str, typer.Option(help="Triton version the logs were made with")],
-) -> None:
-    """Record Triton's autotune results (printed with TRITON_PRINT_AUTOTUNING=1) as fla config files, which
-    k3 pins on every host with that GPU (k3/kernels/fla_tuning.py)."""
-    configs = []
-    for log in logs:
-        try:
-            configs += parse_autotune_log(log.read_text(errors="replace"), str(log))
-        except OSError as e:
-            raise typer.BadParameter(f"{log}: {e.strerror}") from None
-    if not configs:
-        raise typer.BadParameter("no 'Triton autotuning for function' blocks found: run with "
-                                 "TRITON_PRINT_AUTOTUNING=1")
-    written = write_config_dir(configs, out, {"fla-core": fla_core, "triton": triton})
-    typer.echo(f"{len(configs)} results, {len(written)} kernels -> {out}")

@@ -1,4 +1,7 @@
-"""`k3 prepare-data`: put a task's prompts under the data dir in the recipe's layout."""
+"""`k3 prepare-data`: put a task's prompts under the data dir in the recipe's layout.
+
+The command line only; fetching, validating and laying out the data is ``k3.rl.data``'s.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +10,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+
+__all__ = ["prepare_data"]
 
 
 class Task(str, Enum):

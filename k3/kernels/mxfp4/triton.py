@@ -1,6 +1,6 @@
 """MXFP4 -> BF16 decode on the GPU: a Triton kernel, a plain-torch fallback with the same arithmetic, a dispatch.
 
-Input layout as ``k3.checkpoint.mxfp4`` (the CPU codec and the reference): ``weight_packed [..., in/2]`` uint8,
+Input layout as ``k3.kernels.mxfp4.codec`` (the CPU codec and the reference): ``weight_packed [..., in/2]`` uint8,
 low nibble = even column; ``weight_scale [..., ceil(in/32)]`` uint8 E8M0 (``2^(e - 127)``). The output
 ``[..., in]`` BF16 is bit-identical to the CPU codec's.
 
@@ -42,10 +42,8 @@ import numpy as np
 import torch
 
 # The codec's own checks, so every device raises the same messages.
-from k3.checkpoint.mxfp4 import E8M0_MAX_FINITE_BF16, MXFP4Error
-from k3.checkpoint.mxfp4 import _check_scale as _codec_check_scale
-from k3.checkpoint.mxfp4 import _check_shapes as _codec_check_shapes
-from k3.checkpoint.mxfp4 import decode_mxfp4 as decode_mxfp4_cpu
+from k3.kernels.mxfp4.codec import E8M0_MAX_FINITE_BF16, MXFP4Error, check_scale, check_shapes
+from k3.kernels.mxfp4.codec import decode_mxfp4 as decode_mxfp4_cpu
 
 __all__ = ["DEFAULT_BLOCK_BYTES", "DEFAULT_BLOCK_ROWS", "Impl", "TorchPairDecoder", "decode_mxfp4",
            "decode_mxfp4_torch", "triton_available"]
@@ -222,7 +220,7 @@ def _check_inputs(packed: torch.Tensor, scale: torch.Tensor) -> None:
                          f"{type(scale).__name__}")
     if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
         raise MXFP4Error(f"weight_packed / weight_scale must be uint8, got {packed.dtype} / {scale.dtype}")
-    _codec_check_shapes(tuple(packed.shape), tuple(scale.shape))
+    check_shapes(tuple(packed.shape), tuple(scale.shape))
 
 
 def _scale_range_checked(scale: torch.Tensor) -> tuple[int, int]:
@@ -230,7 +228,7 @@ def _scale_range_checked(scale: torch.Tensor) -> tuple[int, int]:
     raise the codec's message."""
     lo, hi = torch.stack(torch.aminmax(scale)).tolist()
     if hi > E8M0_MAX_FINITE_BF16:
-        _codec_check_scale(scale.cpu().numpy())
+        check_scale(scale.cpu().numpy())
     return lo, hi
 
 
@@ -279,7 +277,7 @@ def decode_mxfp4(
         device: where to decode and return (default: ``packed``'s device). ``cuda`` without a CUDA device is a
             RuntimeError.
         impl: ``auto`` (CPU codec on the CPU; Triton on CUDA when importable, else the torch fallback),
-            ``triton``, ``torch`` (any device) or ``cpu`` (the codec in ``k3.checkpoint.mxfp4``).
+            ``triton``, ``torch`` (any device) or ``cpu`` (the codec in ``k3.kernels.mxfp4.codec``).
         block_rows, block_bytes, num_warps: the Triton tile (powers of two; benchmarks try others).
 
     Returns:
@@ -311,7 +309,7 @@ def decode_mxfp4(
 
 
 class TorchPairDecoder:
-    """``k3.checkpoint.mxfp4.PairDecoder``'s contract on a torch device: the converter's ``--device cuda``.
+    """``k3.kernels.mxfp4.codec.PairDecoder``'s contract on a torch device: the converter's ``--device cuda``.
 
     ``decode(packed [rows, in/2], scale [rows, ceil(in/32)])`` (uint8 numpy arrays) returns ``[rows, in/2]``
     uint32 numpy, each word the BF16 bits of columns ``2j`` (low half) and ``2j+1``; a view of a reused host
@@ -326,7 +324,7 @@ class TorchPairDecoder:
     def decode(self, packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
         if packed.dtype != np.uint8 or scale.dtype != np.uint8:
             raise MXFP4Error(f"weight_packed / weight_scale must be uint8, got {packed.dtype} / {scale.dtype}")
-        _codec_check_shapes(packed.shape, scale.shape)
+        check_shapes(packed.shape, scale.shape)
         rows, n_bytes = packed.shape[0], packed.shape[-1]
         p = torch.from_numpy(np.ascontiguousarray(packed).reshape(rows, n_bytes))
         s = torch.from_numpy(np.ascontiguousarray(scale).reshape(rows, -1))

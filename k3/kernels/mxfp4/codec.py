@@ -43,6 +43,8 @@ __all__ = [
     "E8M0_NAN",
     "E8M0_MAX_FINITE_BF16",
     "MXFP4Error",
+    "check_scale",
+    "check_shapes",
     "decode_mxfp4",
     "decode_mxfp4_pairs",
     "PairDecoder",
@@ -109,7 +111,10 @@ def _table() -> np.ndarray:
     return _PAIR_TABLE
 
 
-def _check_shapes(packed_shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> None:
+def check_shapes(packed_shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> None:
+    """MXFP4Error unless ``weight_packed`` of ``packed_shape`` ``[..., in/2]`` and ``weight_scale`` of
+    ``scale_shape`` ``[..., ceil(in/32)]`` belong together (every decoder checks this, so each raises the same
+    message)."""
     if len(packed_shape) < 1 or tuple(packed_shape[:-1]) != tuple(scale_shape[:-1]):
         raise MXFP4Error(
             f"weight_packed {list(packed_shape)} and weight_scale {list(scale_shape)}: leading dims differ"
@@ -123,7 +128,12 @@ def _check_shapes(packed_shape: tuple[int, ...], scale_shape: tuple[int, ...]) -
         )
 
 
-def _check_scale(scale: np.ndarray) -> None:
+def check_scale(scale: np.ndarray) -> None:
+    """MXFP4Error naming the first scale byte that is NaN (255) or overflows BF16 (>= 253), and how many there are.
+
+    Args:
+        scale: uint8 E8M0 scale bytes, any shape (host memory).
+    """
     bad = scale > E8M0_MAX_FINITE_BF16
     if bad.any():
         idx = [int(i) for i in np.argwhere(bad)[0]]
@@ -149,8 +159,8 @@ class PairDecoder:
     def decode(self, packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
         if packed.dtype != np.uint8 or scale.dtype != np.uint8:
             raise MXFP4Error(f"weight_packed / weight_scale must be uint8, got {packed.dtype} / {scale.dtype}")
-        _check_shapes(packed.shape, scale.shape)
-        _check_scale(scale)
+        check_shapes(packed.shape, scale.shape)
+        check_scale(scale)
         n_bytes = packed.shape[-1]
         p = packed.reshape(-1, n_bytes)
         rows = p.shape[0]
@@ -184,17 +194,21 @@ def decode_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype |
 
     Exact in BF16 and wider float dtypes. Raises MXFP4Error for wrong dtypes or shapes, and for scale bytes that
     are NaN (255) or overflow BF16 (>= 253).
+
+    Tensors off the CPU take the same table gather in torch ops on their device: the naive form, ~2% of a D2D
+    copy's speed on the H200 (docs/PERFORMANCE.md). It stays only as the reference ``bench/gpu_mxfp4.py`` measures
+    the GPU decoder against; decode on a GPU with ``k3.kernels.mxfp4.triton.decode_mxfp4``.
     """
     import torch
 
     if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
         raise MXFP4Error(f"weight_packed / weight_scale must be uint8, got {packed.dtype} / {scale.dtype}")
-    _check_shapes(tuple(packed.shape), tuple(scale.shape))
+    check_shapes(tuple(packed.shape), tuple(scale.shape))
     lead, n_bytes = packed.shape[:-1], packed.shape[-1]
     if packed.device.type == "cpu":
         pairs = torch.from_numpy(decode_mxfp4_pairs(packed.contiguous().numpy(), scale.contiguous().numpy()))
     else:
-        _check_scale(scale.cpu().numpy())
+        check_scale(scale.cpu().numpy())
         pairs = _decode_pairs_torch(packed, scale)
     out = pairs.view(torch.bfloat16).reshape(*lead, 2 * n_bytes)
     return out if dtype in (None, torch.bfloat16) else out.to(dtype)

@@ -1,7 +1,7 @@
 """KDA core in chunked form (WY representation / UT transform), plain torch: the CPU default.
 
 Within a chunk of ``C`` tokens, with ``Γ_t = Σ_{i≤t} g_i`` (cumulative log decay from the chunk start) and
-the state ``S₀`` at the chunk start, the delta rule of ``kda_naive`` unrolls to
+the state ``S₀`` at the chunk start, the delta rule of ``naive`` unrolls to
 
     u_t + Σ_{i<t} A_ti u_i = β_t (v_t − S₀ᵀ (e^{Γ_t} ⊙ k_t)),   A_ti = β_t Σ_d k_t[d] k_i[d] e^{Γ_t[d] − Γ_i[d]}
 

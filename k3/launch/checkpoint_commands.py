@@ -1,7 +1,8 @@
 """Checkpoint commands of the ``k3`` CLI: ``k3 make-checkpoint`` and the ``k3 convert`` group.
 
-``k3/launch/cli.py`` registers ``make_checkpoint`` as a command and ``convert_app`` as a group; other converters
-(``hf-to-dist``, ``dist-to-hf``) add themselves to ``convert_app``.
+``k3/launch/cli.py`` registers ``make_checkpoint`` as a command and ``convert_app`` as a group. The converters
+themselves live with their parts: ``mxfp4-to-bf16`` in ``k3/checkpoint/convert.py``, ``hf-to-dist`` and
+``dist-to-hf`` in ``k3/megatron/convert.py`` (megatron-core is imported only when they run).
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ from typing import Annotated
 import typer
 
 from k3.checkpoint.hf_io import CheckpointError, parse_size
-from k3.config import ConfigError, K3Config, variant
+from k3.config import ConfigError
 
-__all__ = ["make_checkpoint", "convert_app", "synthetic_config"]
+__all__ = ["make_checkpoint", "convert_app"]
 
 
 class Variant(str, Enum):
@@ -32,16 +33,6 @@ class Format(str, Enum):
 class Device(str, Enum):
     cpu = "cpu"
     cuda = "cuda"
-
-
-def synthetic_config(name: str, num_experts: int | None = None, num_layers: int | None = None) -> K3Config:
-    """The config of ``variant(name)`` with the expert count and/or depth changed (top-k capped at the experts)."""
-    cfg = variant(name)
-    if num_layers is not None:
-        cfg = cfg.replace(num_hidden_layers=num_layers)
-    if num_experts is not None:
-        cfg = cfg.replace(num_experts=num_experts, num_experts_per_token=min(cfg.num_experts_per_token, num_experts))
-    return cfg
 
 
 def _fail(err: Exception) -> None:
@@ -71,7 +62,7 @@ language_model. prefix and model.safetensors.index.json, random weights at reali
 
     It streams (memory holds one chunk of one tensor), so every variant fits in RAM; the full one needs ~1.56 TB \
 of disk."""
-    from k3.checkpoint.synth import write_synthetic_checkpoint
+    from k3.checkpoint.synth import synthetic_config, write_synthetic_checkpoint
 
     try:
         cfg = synthetic_config(variant_name.value, num_experts, num_layers)

@@ -1,0 +1,1 @@
+"""KDA delta-rule core: ``naive`` beside ``chunk`` (torch), ``gate``, the ``fla`` dispatch and its ``tuning``."""
