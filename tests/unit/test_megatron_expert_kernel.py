@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import k3.kernels.lora_grouped as lg
-from k3.lora.config import LoRAConfig
+from k3.settings.lora import LoRAConfig
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (a GPU lease carries it as a wheel)")
 from k3.megatron.linears import GroupedExpertLinear  # noqa: E402
