@@ -30,13 +30,15 @@ TE's per-expert ``weight{e}``; the map is otherwise the recipe's. Unknown, missi
 
 LoRA adapters (``megatron_lora_to_hf`` / ``hf_lora_to_megatron``): Megatron factors
 ``decoder.layers.{i}.<linear>.lora.<factor>`` (global tensors) <-> the PEFT names of the adapter chunks,
-``language_model.model.layers.{i}.<hf module>.lora_{A,B}.weight``. The fused fc1's single ``fc1_lora_A`` is
-both the gate's and the up's ``lora_A``, its ``fc1_lora_B`` is ``[gate B; up B]``; the routed experts'
-shared factors carry a leading expert dim of 1 on the HF side.
+``language_model.model.layers.{i}.<hf module>.lora_{A,B}.weight``, for every target of the table in
+``k3/settings/lora.py`` (its Megatron module, factors and PEFT modules per block). A fused target's single A
+(fc1's ``fc1_lora_A``) is each of its modules' ``lora_A`` (the gate's and the up's), its B is their B's stacked
+on dim 0 (``[gate B; up B]``); the routed experts' shared factors carry a leading expert dim of 1 on the HF side.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -44,6 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from k3.config import K3Config
+from k3.settings.lora import Block, LoRATarget, lora_targets
 
 __all__ = [
     "NameMapError",
@@ -308,21 +311,36 @@ def _split_halves(name: str, t: torch.Tensor, n: int) -> tuple[torch.Tensor, ...
 
 # ---------------------------------------------------------------------------------------------- LoRA adapters
 _LORA = re.compile(r"^decoder\.layers\.(\d+)\.(.+)\.lora\.(\w+_lora_[AB])$")
-_MLP_SITES = {  # megatron linear -> (HF MLP module prefix, fused)
-    "mlp.linear_fc1": ("mlp.", True),
-    "mlp.linear_fc2": ("mlp.", False),
-    "mlp.shared_experts.linear_fc1": ("block_sparse_moe.shared_experts.", True),
-    "mlp.shared_experts.linear_fc2": ("block_sparse_moe.shared_experts.", False),
-}
-_ATTN_FACTORS = {"self_attention.o_proj": "o", "self_attention.q_a_proj": "q_a",
-                 "self_attention.kv_a_proj_with_mqa": "kv_a"}
-_EXPERT_SHARED = ("w1_lora_A", "w3_lora_A", "w2_lora_B")
-_EXPERT_SITES = {("mlp.experts.linear_fc1", "w1"), ("mlp.experts.linear_fc1", "w3"), ("mlp.experts.linear_fc2", "w2")}
+
+
+def _lora_sites() -> tuple[dict[str, tuple[LoRATarget, Block]], dict[str, tuple[LoRATarget, Block, int]]]:
+    """Every block a target may sit in, by its Megatron module (``mlp.shared_experts.linear_fc1``), and by its
+    PEFT module (``block_sparse_moe.shared_experts.up_proj``, with the module's index in ``target.modules``)."""
+    return _lora_sites_of(lora_targets())
+
+
+@functools.lru_cache(maxsize=4)  # the export maps one factor at a time
+def _lora_sites_of(table: tuple[LoRATarget, ...]) -> tuple[dict[str, tuple[LoRATarget, Block]],
+                                                            dict[str, tuple[LoRATarget, Block, int]]]:
+    by_megatron: dict[str, tuple[LoRATarget, Block]] = {}
+    by_peft: dict[str, tuple[LoRATarget, Block, int]] = {}
+    for target in table:
+        for block in target.placement.blocks:
+            by_megatron[target.megatron_module(block)] = (target, block)
+            for k, module in enumerate(target.peft_modules(block)):
+                by_peft[module] = (target, block, k)
+    return by_megatron, by_peft
+
+
+def _fused_names(target: LoRATarget) -> str:
+    """``gate and up``: the parts of a fused target, for messages."""
+    return " and ".join(m.removesuffix("_proj") for m in target.modules)
 
 
 def megatron_lora_to_hf(lora: Mapping[str, torch.Tensor], cfg: K3Config,
                         prefix: str = "language_model.") -> dict[str, torch.Tensor]:
     """Global Megatron adapter factors -> PEFT-named adapter tensors (``prefix`` + ``model.layers.…``)."""
+    by_megatron, _ = _lora_sites()
     out: dict[str, torch.Tensor] = {}
 
     def put(name: str, t: torch.Tensor, source: str) -> None:
@@ -337,26 +355,21 @@ def megatron_lora_to_hf(lora: Mapping[str, torch.Tensor], cfg: K3Config,
         i, site, factor = int(m.group(1)), m.group(2), m.group(3)
         if i >= cfg.num_hidden_layers:
             raise NameMapError(f"Megatron adapter {name!r}: layer {i} is past num_hidden_layers")
-        hf = f"{prefix}model.layers.{i}."
-        ab = factor[-1]
-        if site in _ATTN_FACTORS and factor.startswith(_ATTN_FACTORS[site] + "_lora_"):
-            put(f"{hf}self_attn.{site.split('.', 1)[1]}.lora_{ab}.weight", t, name)
-        elif site in _MLP_SITES and factor in (f"fc{site[-1]}_lora_A", f"fc{site[-1]}_lora_B"):
-            module, fused = _MLP_SITES[site]
-            if not fused:
-                put(f"{hf}{module}down_proj.lora_{ab}.weight", t, name)
-            elif ab == "A":  # one A for the fused [gate; up]
-                put(f"{hf}{module}gate_proj.lora_A.weight", t, name)
-                put(f"{hf}{module}up_proj.lora_A.weight", t, name)
-            else:
-                gate, up = _split_halves(name, t, 2)
-                put(f"{hf}{module}gate_proj.lora_B.weight", gate, name)
-                put(f"{hf}{module}up_proj.lora_B.weight", up, name)
-        elif (site, factor[:2]) in _EXPERT_SITES:
-            put(f"{hf}block_sparse_moe.experts.{factor[:2]}.lora_{ab}.weight",
-                t.unsqueeze(0) if factor in _EXPERT_SHARED else t, name)
-        else:
+        prefix_of_factor, _, ab = factor.rpartition("_lora_")
+        target, block = by_megatron.get(site, (None, None))
+        if target is None or prefix_of_factor not in target.factors:
             raise NameMapError(f"Megatron adapter {name!r}: factor {factor!r} does not belong to {site!r}")
+        hf = [f"{prefix}model.layers.{i}.{module}" for module in target.peft_modules(block)]
+        if not target.fused:
+            shared = ab == target.shared_expert_factor  # a routed-expert factor shared by all experts
+            put(f"{hf[target.factors.index(prefix_of_factor)]}.lora_{ab}.weight", t.unsqueeze(0) if shared else t,
+                name)
+        elif ab == "A":  # one A for the fused modules
+            for module in hf:
+                put(f"{module}.lora_A.weight", t, name)
+        else:
+            for module, part in zip(hf, _split_halves(name, t, len(hf))):
+                put(f"{module}.lora_B.weight", part, name)
     return out
 
 
@@ -367,9 +380,11 @@ def hf_lora_to_megatron(hf: Mapping[str, torch.Tensor], cfg: K3Config,
                         prefix: str = "language_model.") -> dict[str, torch.Tensor]:
     """PEFT-named adapter tensors -> global Megatron adapter factors (inverse of ``megatron_lora_to_hf``).
 
-    The gate's and the up's ``lora_A`` of one MLP must be equal (they are Megatron's single fc1 A).
+    The ``lora_A`` of a fused target's modules (the gate's and the up's of one MLP) must be equal: they are
+    Megatron's single A of the fused linear.
     """
-    parts: dict[str, dict[str, torch.Tensor]] = {}
+    _, by_peft = _lora_sites()
+    parts: dict[str, tuple[LoRATarget, dict[int, torch.Tensor]]] = {}
     out: dict[str, torch.Tensor] = {}
     for raw, t in hf.items():
         name = raw[len(prefix):] if prefix and raw.startswith(prefix) else raw
@@ -378,40 +393,29 @@ def hf_lora_to_megatron(hf: Mapping[str, torch.Tensor], cfg: K3Config,
             raise NameMapError(f"adapter tensor {raw!r}: expected "
                                f"{prefix}model.layers.{{i}}.<module>.lora_{{A,B}}.weight")
         i, module, ab = int(m.group(1)), m.group(2), m.group(3)
-        mg = f"decoder.layers.{i}."
-        if module.startswith("self_attn.") and module[len("self_attn."):] in ("o_proj", "q_a_proj",
-                                                                               "kv_a_proj_with_mqa"):
-            leaf = module[len("self_attn."):]
-            out[f"{mg}self_attention.{leaf}.lora.{_ATTN_FACTORS['self_attention.' + leaf]}_lora_{ab}"] = t
-        elif module.startswith("block_sparse_moe.experts.") and module[-2:] in ("w1", "w2", "w3"):
-            factor = f"{module[-2:]}_lora_{ab}"
-            site = "linear_fc2" if factor.startswith("w2") else "linear_fc1"
-            if factor in _EXPERT_SHARED:
-                if t.dim() == 0 or t.shape[0] != 1:
-                    raise NameMapError(f"adapter tensor {raw!r}: shape {tuple(t.shape)}, expected a leading "
-                                       "expert dim of 1 (a shared factor)")
-                t = t[0]
-            out[f"{mg}mlp.experts.{site}.lora.{factor}"] = t
-        else:
-            for site, (hf_module, fused) in _MLP_SITES.items():
-                leaves = ("gate_proj", "up_proj") if fused else ("down_proj",)
-                leaf = module[len(hf_module):] if module.startswith(hf_module) else None
-                if leaf in leaves:
-                    parts.setdefault(f"{mg}{site}.lora.fc{site[-1]}_lora_{ab}", {})[leaf] = t
-                    break
-            else:
-                raise NameMapError(f"adapter tensor {raw!r}: {module!r} is not a K3 LoRA target")
-    for name, by_leaf in parts.items():
-        if "down_proj" in by_leaf:
-            out[name] = by_leaf["down_proj"]
+        if module not in by_peft:
+            raise NameMapError(f"adapter tensor {raw!r}: {module!r} is not a K3 LoRA target")
+        target, block, k = by_peft[module]
+        linear = f"decoder.layers.{i}.{target.megatron_module(block)}.lora"
+        if target.fused:
+            parts.setdefault(f"{linear}.{target.factors[0]}_lora_{ab}", (target, {}))[1][k] = t
             continue
-        if set(by_leaf) != {"gate_proj", "up_proj"}:
-            raise NameMapError(f"{name}: needs both the gate_proj and up_proj adapter tensors, got {sorted(by_leaf)}")
-        gate, up = by_leaf["gate_proj"], by_leaf["up_proj"]
+        if ab == target.shared_expert_factor:
+            if t.dim() == 0 or t.shape[0] != 1:
+                raise NameMapError(f"adapter tensor {raw!r}: shape {tuple(t.shape)}, expected a leading "
+                                   "expert dim of 1 (a shared factor)")
+            t = t[0]
+        out[f"{linear}.{target.factors[k]}_lora_{ab}"] = t
+    for name, (target, by_index) in parts.items():
+        if len(by_index) != len(target.modules):
+            raise NameMapError(f"{name}: needs both the {' and '.join(target.modules)} adapter tensors, got "
+                               f"{sorted(target.modules[k] for k in by_index)}")
+        tensors = [by_index[k] for k in range(len(target.modules))]
         if name.endswith("_lora_A"):
-            if not torch.equal(gate, up):
-                raise NameMapError(f"{name}: the gate and up lora_A differ; Megatron's fused fc1 has one A")
-            out[name] = gate
+            if not all(torch.equal(tensors[0], t) for t in tensors[1:]):
+                raise NameMapError(f"{name}: the {_fused_names(target)} lora_A differ; Megatron's fused "
+                                   f"{target.factors[0]} has one A")
+            out[name] = tensors[0]
         else:
-            out[name] = _cat((name + " (gate)", name + " (up)"), [gate, up])
+            out[name] = _cat(tuple(f"{name} ({m.removesuffix('_proj')})" for m in target.modules), tensors)
     return out

@@ -21,7 +21,7 @@ from typing import Any
 
 from k3.config import variant
 from k3.launch.layout import LayoutError, ParallelLayout, derive_layout
-from k3.lora.config import RECIPE_TARGETS
+from k3.settings.lora import optional_target_names, target_names
 
 __all__ = [
     "TrainArgs",
@@ -39,7 +39,6 @@ __all__ = [
     "TASKS",
     "MODEL_VARIANTS",
     "REWARD_MODELS",
-    "TARGET_MODULES",
     "ENV_PREFIX",
 ]
 
@@ -53,11 +52,6 @@ PEAK_DEVICES = ("cpu", "gpu")
 OFFLOAD_ROLLOUT_LEVELS = ("kv_cache", "weight")
 EXPERT_LORA_KERNELS = ("auto", "torch", "triton")  # k3.kernels.lora_grouped.KERNEL_CHOICES; not imported: it loads torch and Triton
 ENV_PREFIX = "K3_"
-
-# The recipe's LoRA target set (§4.1), Megatron module names under `decoder.layers.*.`. Exactly these are
-# required; only the routed-expert down-projection may be left out.
-TARGET_MODULES = RECIPE_TARGETS
-OPTIONAL_TARGET_MODULES = ("mlp.experts.linear_fc2",)
 
 # Recipe paths for the 4layer default and what `full` switches them to when left at the default.
 _PATHS_4LAYER = {
@@ -176,8 +170,11 @@ class TrainArgs:
     lora_rank: int = opt(16, "LoRA rank r (> 0)", group="lora")
     lora_alpha: int = opt(32, "LoRA alpha; the update is scaled by alpha / rank", group="lora")
     lora_dropout: float = opt(0.0, "dropout on the adapter input while training", group="lora")
-    target_modules: list[str] = opt(help="adapted modules (the recipe's 7; only mlp.experts.linear_fc2 may be "
-                                    "left out)", group="lora", factory=lambda: list(TARGET_MODULES))
+    # The LoRA target table's rows (k3/settings/lora.py: the recipe's set, §4.1, Megatron module names under
+    # `decoder.layers.*.`); all are required but the rows marked optional.
+    target_modules: list[str] = opt(help=f"adapted modules (the recipe's {len(target_names())}; only "
+                                    f"{', '.join(optional_target_names())} may be left out)", group="lora",
+                                    factory=lambda: list(target_names()))
     experts_shared_outer_loras: bool = opt(True, "share the outer expert factors over all experts (required)",
                                            group="lora")
     expert_lora_kernel: str = opt("auto", "how the trainer's routed-expert adapters run their rank-r grouped GEMMs: "
@@ -543,13 +540,14 @@ def _validate_values(a: TrainArgs) -> None:
         raise _fail(f"--lora-dropout {a.lora_dropout}: must be in [0, 1)")
     if a.seed < 0:
         raise _fail(f"--seed {a.seed}: must be >= 0")
-    unknown = [m for m in a.target_modules if m not in TARGET_MODULES]
+    targets, optional = target_names(), optional_target_names()
+    unknown = [m for m in a.target_modules if m not in targets]
     if unknown:
-        raise _fail(f"--target-modules: unknown {', '.join(unknown)}; allowed: {' '.join(TARGET_MODULES)}")
-    missing = [m for m in TARGET_MODULES if m not in a.target_modules and m not in OPTIONAL_TARGET_MODULES]
+        raise _fail(f"--target-modules: unknown {', '.join(unknown)}; allowed: {' '.join(targets)}")
+    missing = [m for m in targets if m not in a.target_modules and m not in optional]
     if missing:
         raise _fail(f"--target-modules must include {', '.join(missing)} (only "
-                    f"{', '.join(OPTIONAL_TARGET_MODULES)} may be left out)")
+                    f"{', '.join(optional)} may be left out)")
     if len(set(a.target_modules)) != len(a.target_modules):
         raise _fail(f"--target-modules lists a module twice: {' '.join(a.target_modules)}")
     if not a.experts_shared_outer_loras:

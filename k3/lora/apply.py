@@ -1,4 +1,8 @@
-"""apply_lora: freeze the model, then attach adapters at the recipe's targets (``k3/lora/targets.py``)."""
+"""apply_lora: freeze the model, then attach adapters at the configured targets (``k3/settings/lora.py``).
+
+Linear targets get a ``LoRALinear`` per module; the modules of a target Megatron fuses into one linear (fc1's gate
+and up) share one ``lora_A``. The routed experts get one ``LoRALatentExperts`` with the expert targets' factors.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +13,10 @@ from torch import nn
 
 from k3.config import K3Config
 from k3.kernels.expert_lora.function import check_kernel_choice
-from k3.lora.config import LoRAConfig, LoRAConfigError
 from k3.lora.experts import LoRALatentExperts
 from k3.lora.linear import LoRALinear, new_lora_A
 from k3.lora.targets import AdapterSite, expected_sites, find_sites
+from k3.settings.lora import LoRAConfig, LoRAConfigError, ModuleKind, ParallelStyle, lora_target
 
 __all__ = ["apply_lora", "lora_modules", "lora_parameter_counts", "has_lora"]
 
@@ -62,26 +66,27 @@ def apply_lora(model: nn.Module, config: LoRAConfig, expert_lora_kernel: str = "
         p.requires_grad_(False)
 
     r, alpha, p_drop = config.rank, config.alpha, config.dropout
-    shared_fc1_A: dict[str, nn.Parameter] = {}  # one fc1 A per MLP, tied between its gate and up
-    expert_targets: dict[str, set[str]] = defaultdict(set)
+    fused_A: dict[tuple[str, str], nn.Parameter] = {}  # (target, block path): one A tied between its modules
+    expert_styles: dict[str, set[ParallelStyle]] = defaultdict(set)
     for site in sites:
-        if site.group == "routed_experts":
-            expert_targets[site.module].add(site.target)
+        target = lora_target(site.target)
+        if target.module_kind is ModuleKind.LATENT_EXPERTS:
+            expert_styles[site.module].add(target.style)
             continue
         parent, leaf = _parent(model, site.module)
         base = getattr(parent, leaf)
         shared = None
-        if site.target == "mlp.linear_fc1":
-            mlp = site.module.rsplit(".", 1)[0]
-            if mlp not in shared_fc1_A:
-                shared_fc1_A[mlp] = new_lora_A(r, base.in_features, like=base.weight)
-            shared = shared_fc1_A[mlp]
+        if target.fused:
+            key = (target.name, site.module.rsplit(".", 1)[0])
+            if key not in fused_A:
+                fused_A[key] = new_lora_A(r, base.in_features, like=base.weight)
+            shared = fused_A[key]
         setattr(parent, leaf, LoRALinear(base, r, alpha, p_drop, shared_A=shared))
-    for path, targets in expert_targets.items():
+    for path, styles in expert_styles.items():
         parent, leaf = _parent(model, path)
         base = getattr(parent, leaf)
-        setattr(parent, leaf, LoRALatentExperts(base, r, alpha, p_drop, fc1="mlp.experts.linear_fc1" in targets,
-                                                fc2="mlp.experts.linear_fc2" in targets,
+        setattr(parent, leaf, LoRALatentExperts(base, r, alpha, p_drop, fc1=ParallelStyle.EXPERT_FC1 in styles,
+                                                fc2=ParallelStyle.EXPERT_FC2 in styles,
                                                 lora_impl=expert_lora_kernel))
     model.lora_config = config
     trainable, total = lora_parameter_counts(model)

@@ -12,7 +12,7 @@ all rows with the stacked shared ``[w1_lora_A; w3_lora_A]``, then grouped per-ex
 (and for down, a grouped GEMM with the per-expert A's, then one GEMM with the shared B) — no Python loop
 over experts.
 
-That plain path is the default and the reference. The fused path (``fused=True``; ``k3/kernels/expert_lora.py``)
+That plain path is the default and the reference. The fused path (``fused=True``; ``k3/kernels/expert_lora/folded.py``)
 folds the adapters into the base grouped GEMMs as r extra K/N columns — on the H200 it measured slower than the
 plain path (19.5–23% vs 17.8% of the base forward+backward, docs/PERFORMANCE.md: the native grouped GEMM loses
 ~8% efficiency at K = base + r), so it is opt-in. With it, the frozen ``w1``/``w3``/``w2`` then live in
@@ -20,7 +20,7 @@ plain path (19.5–23% vs 17.8% of the base forward+backward, docs/PERFORMANCE.m
 memory, 0.9% at K3 widths). The storage is rebuilt when something replaces a base weight's tensor (``.to()``,
 ``load_state_dict(assign=True)``); in-place writes (loading, merging) keep it.
 
-``lora_impl="triton"`` runs the plain path's rank-r grouped GEMMs on Triton kernels (``k3/kernels/lora_grouped.py``:
+``lora_impl="triton"`` runs the plain path's rank-r grouped GEMMs on Triton kernels (``k3/kernels/expert_lora/``:
 the full-width adds in the kernels' epilogues, torch's grouped GEMM measured far from bandwidth at rank r). Same
 math; on the H200 +8.2-9.2% over the frozen experts' forward+backward (back to back) vs +15-17% for torch.
 ``lora_impl="auto"`` takes it where it runs; ``k3 train --expert-lora-kernel`` defaults to auto.
@@ -63,11 +63,11 @@ class LoRALatentExperts(LatentExperts):
         base: the experts to adapt.
         rank, alpha, dropout: as ``LoRAConfig`` (dropout on the adapter input, training only).
         fc1: adapt gate and up (``mlp.experts.linear_fc1``). fc2: adapt down (``mlp.experts.linear_fc2``).
-        fused: fold the adapters into the base GEMMs (``k3/kernels/expert_lora.py``; measured slower on the H200,
+        fused: fold the adapters into the base GEMMs (``k3/kernels/expert_lora/folded.py``; measured slower on the H200,
             hence off by default); ``False`` keeps the base weights as they are and runs the plain path. Active
             dropout always takes the plain path.
         lora_impl: how the plain path runs its rank-r grouped GEMMs: ``"torch"`` (the default and the reference:
-            torch's grouped GEMM, then full-width adds), ``"triton"`` (``k3/kernels/lora_grouped.py``: Triton
+            torch's grouped GEMM, then full-width adds), ``"triton"`` (``k3/kernels/expert_lora/``: Triton
             kernels with the adds in their epilogues; same math, gradients for the input rows and every factor;
             H200, K3's EP8 shapes: +8.2-9.2% over the frozen experts' forward+backward vs +15-17% for torch,
             docs/PERFORMANCE.md) or ``"auto"`` (triton where it runs, else torch). "triton" needs Triton and a CUDA
@@ -113,7 +113,7 @@ class LoRALatentExperts(LatentExperts):
             self.w2_lora_A = factor(E, rank, Fi, fan_in=Fi)
             self.w2_lora_B = factor(Lt, rank)
         self.fused, self.lora_impl = fused, lora_impl
-        # The fused path's layout (k3/kernels/expert_lora.py): augmented K/N rounded up to this multiple, and
+        # The fused path's layout (k3/kernels/expert_lora/folded.py): augmented K/N rounded up to this multiple, and
         # gate/up reading slices of one input buffer. Changing either rebuilds the storage at the next forward.
         self.slot_multiple, self.shared_input = SLOT_MULTIPLE, SHARED_INPUT
         self._augmented_storage: dict[str, torch.Tensor] = {}

@@ -12,10 +12,11 @@ BF16 copy (never a view of a live parameter, so a receiver can hold it while tra
 | shared experts | ``block_sparse_moe.shared_experts.{gate_proj,up_proj,down_proj}`` | as dense with F = shared width |
 | routed experts | ``block_sparse_moe.experts.{w1,w3,w2}`` A, B | w1/w3 A (1, r, latent), B (E, F, r); w2 A (E, r, F), B (1, latent, r) |
 
-The leading 1 on the shared expert factors is SGLang's shared-outer serving contract. Before the first chunk
-is produced the export checks that the model holds exactly the adapters its config and ``LoRAConfig``
-call for (each once, with the right shape), and raises ``ExportError`` otherwise, so a stream is never
-partial.
+The names, groups and shapes come from the target table (``k3/settings/lora.py``: each row's blocks, modules
+and ``peft_shapes``); the table above is what the recipe's seven targets give. The leading 1 on the shared
+expert factors is SGLang's shared-outer serving contract. Before the first chunk is produced the export checks
+that the model holds exactly the adapters its config and ``LoRAConfig`` call for (each once, with the right
+shape), and raises ``ExportError`` otherwise, so a stream is never partial.
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ from torch import nn
 from k3.checkpoint.hf_io import TEXT_PREFIX
 from k3.config import K3Config
 from k3.lora.apply import apply_lora, lora_modules
-from k3.lora.config import LoRAConfig, LoRAConfigError
 from k3.lora.experts import LoRALatentExperts
 from k3.lora.linear import LoRALinear
+from k3.settings.lora import EXPORT_GROUPS, LoRAConfig, LoRAConfigError, lora_targets
 from k3.transport.handoff import flat_views
 
 # ``out(numel, dtype, device)`` -> the 1-D tensor a chunk is written into (``export_chunks``' ``out``).
@@ -54,7 +55,6 @@ __all__ = [
 PEFT_PREFIX = "base_model.model."  # PEFT's key prefix in adapter_model.safetensors
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
-_SHARED_EXPERT_FACTORS = ("w1_lora_A", "w3_lora_A", "w2_lora_B")  # exported with a leading expert dim of 1
 
 
 class ExportError(RuntimeError):
@@ -101,49 +101,20 @@ def _ab(prefix: str, a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[str, 
 
 
 def chunk_layout(cfg: K3Config, lora: LoRAConfig) -> list[ChunkSpec]:
-    """The chunks a model of ``cfg`` with ``lora`` exports, in stream order (names and shapes, no data)."""
-    r, H, t = lora.rank, cfg.hidden_size, set(lora.target_modules)
+    """The chunks a model of ``cfg`` with ``lora`` exports, in stream order (names and shapes, no data).
+
+    Per layer, one chunk per export group that holds adapters, groups in ``EXPORT_GROUPS`` order; inside a chunk
+    the targets in table order, each module's A then B."""
     specs: list[ChunkSpec] = []
-
-    def mlp(prefix: str, width: int) -> list[tuple[str, tuple[int, ...]]]:
-        out = []
-        if "mlp.linear_fc1" in t:
-            out += _ab(prefix + "gate_proj", (r, H), (width, r)) + _ab(prefix + "up_proj", (r, H), (width, r))
-        if "mlp.linear_fc2" in t:
-            out += _ab(prefix + "down_proj", (r, width), (H, r))
-        return out
-
     for i in range(cfg.num_hidden_layers):
-        p = f"{TEXT_PREFIX}model.layers.{i}."
-        attn: list[tuple[str, tuple[int, ...]]] = []
-        kda = cfg.is_kda_layer(i)
-        if "self_attention.o_proj" in t:
-            o_in = cfg.kda_proj_size if kda else cfg.num_attention_heads * cfg.v_head_dim
-            attn += _ab(p + "self_attn.o_proj", (r, o_in), (H, r))
-        if not kda and "self_attention.q_a_proj" in t:
-            attn += _ab(p + "self_attn.q_a_proj", (r, H), (cfg.q_lora_rank, r))
-        if not kda and "self_attention.kv_a_proj_with_mqa" in t:
-            attn += _ab(p + "self_attn.kv_a_proj_with_mqa", (r, H), (cfg.kv_lora_rank + cfg.qk_rope_head_dim, r))
-        if attn:
-            specs.append(ChunkSpec("attention", i, tuple(attn)))
-        if not cfg.is_moe_layer(i):
-            dense = mlp(p + "mlp.", cfg.intermediate_size)
-            if dense:
-                specs.append(ChunkSpec("dense_mlp", i, tuple(dense)))
-            continue
-        E, F, Lt = cfg.num_experts, cfg.moe_intermediate_size, cfg.routed_expert_hidden_size
-        e = p + "block_sparse_moe.experts."
-        routed: list[tuple[str, tuple[int, ...]]] = []
-        if "mlp.experts.linear_fc1" in t:
-            routed += _ab(e + "w1", (1, r, Lt), (E, F, r)) + _ab(e + "w3", (1, r, Lt), (E, F, r))
-        if "mlp.experts.linear_fc2" in t:
-            routed += _ab(e + "w2", (E, r, F), (1, Lt, r))
-        if routed:
-            specs.append(ChunkSpec("routed_experts", i, tuple(routed)))
-        if cfg.num_shared_experts > 0:
-            shared = mlp(p + "block_sparse_moe.shared_experts.", cfg.shared_expert_intermediate_size)
-            if shared:
-                specs.append(ChunkSpec("shared_experts", i, tuple(shared)))
+        by_group: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+        for target in lora.targets:
+            for block in target.placement.blocks_at(cfg, i):
+                a, b = target.peft_shapes(cfg, i, lora.rank)
+                for module in target.peft_modules(block):
+                    by_group.setdefault(block.group, []).extend(
+                        _ab(f"{TEXT_PREFIX}model.layers.{i}.{module}", a, b))
+        specs += [ChunkSpec(group, i, tuple(by_group[group])) for group in EXPORT_GROUPS if group in by_group]
     return specs
 
 
@@ -163,10 +134,17 @@ def _adapter_slots(model: nn.Module) -> dict[str, _Slot]:
             slots[f"{base}.lora_A.weight"] = _Slot(m.lora_A, False)
             slots[f"{base}.lora_B.weight"] = _Slot(m.lora_B, False)
         elif isinstance(m, LoRALatentExperts):
+            shared = _shared_expert_factors()
             for factor in m.factor_names():
                 w, ab = factor.split("_lora_")
-                slots[f"{base}.{w}.lora_{ab}.weight"] = _Slot(getattr(m, factor), factor in _SHARED_EXPERT_FACTORS)
+                slots[f"{base}.{w}.lora_{ab}.weight"] = _Slot(getattr(m, factor), factor in shared)
     return slots
+
+
+def _shared_expert_factors() -> set[str]:
+    """Routed-expert factors shared by all experts (``w1_lora_A``, ...): exported with a leading expert dim of 1."""
+    return {f"{module}_lora_{t.shared_expert_factor}" for t in lora_targets() if t.shared_expert_factor
+            for module in t.modules}
 
 
 def _exported_shape(slot: _Slot) -> tuple[int, ...]:

@@ -2,11 +2,23 @@
 
 For every adapter factor, by its Megatron name (``o_lora_A``, ``fc1_lora_B``, ``w2_lora_B``, ...), a
 ``FactorRule`` says which dimension is split over which group (or that it is replicated) and which group its
-gradient must be summed over, on top of the usual data-parallel reduction:
+gradient must be summed over, on top of the usual data-parallel reduction. The rules follow from the parallel
+style of the target's base linear (a row of ``k3/settings/lora.py``):
+
+| style | ``<f>_lora_A`` | ``<f>_lora_B`` |
+|---|---|---|
+| row, all-reduce (``o``) | split dim 1 over TP (like the row-parallel base input) | replicated |
+| row, reduce-scatter (``fc2``) | split dim 1 over TP | replicated; gradient summed over TP, only with SP |
+| column (``fc1``) | replicated; gradient summed over TP | split dim 0 over TP; a fused ``[gate; up]`` splits each half, local = ``[gate_t; up_t]`` |
+| duplicated (``q_a``, ``kv_a``) | replicated; gradient summed over TP | replicated; gradient summed over TP |
+| expert fc1 (``w1``, ``w3``) | ``(r, latent)`` shared by all experts, replicated on every EP rank; summed over EP | ``(E, F, r)`` split dim 0 over EP (E/EP local experts) |
+| expert fc2 (``w2``) | ``(E, r, F)`` split dim 0 over EP | ``(latent, r)`` shared, replicated; summed over EP |
+
+With the recipe's targets:
 
 | factor | global shape | layout | gradient summed over |
 |---|---|---|---|
-| ``o_lora_A`` | (r, 12288) | split dim 1 over TP (like the row-parallel base input) | — |
+| ``o_lora_A`` | (r, 12288) | split dim 1 over TP | — |
 | ``o_lora_B`` | (hidden, r) | replicated | — |
 | ``q_a_lora_A/B``, ``kv_a_lora_A/B`` | (r, hidden) / (1536 or 576, r) | replicated (the base is duplicated) | TP |
 | ``fc1_lora_A`` | (r, hidden) | replicated | TP |
@@ -19,8 +31,8 @@ gradient must be summed over, on top of the usual data-parallel reduction:
 | ``w2_lora_B`` | (latent, r) | shared, replicated | EP |
 
 Why the sums: a replicated factor whose consumers are sharded sees only its rank's share of the gradient
-(fc1's A feeds TP-sharded B columns; q_a's and kv_a's adapters feed a duplicated projection whose output goes
-through the norm into the column-parallel q_b / kv_b, so each rank back-propagates only its columns' part of
+(a column-parallel A feeds TP-sharded B rows; q_a's and kv_a's adapters feed a duplicated projection whose output
+goes through the norm into the column-parallel q_b / kv_b, so each rank back-propagates only its columns' part of
 the output gradient; an expert's shared A feeds only the EP rank's local experts' tokens; fc2's B under SP
 sees only the rank's sequence shard), so the true gradient is the sum over that group.
 Experts need ETP = 1. ``shard`` and ``gather`` are exact inverses.
@@ -28,12 +40,15 @@ Experts need ETP = 1. ``shard`` and ``gather`` are exact inverses.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
 import torch
 
-__all__ = ["ParallelLayout", "FactorRule", "FACTORS", "factor_rule", "local_shape", "shard", "gather",
+from k3.settings.lora import LoRATarget, ParallelStyle, lora_targets
+
+__all__ = ["ParallelLayout", "FactorRule", "factor_rules", "factor_rule", "local_shape", "shard", "gather",
            "grad_sum_group", "ShardingError"]
 
 Group = Literal["tp", "ep"]
@@ -86,32 +101,51 @@ class FactorRule:
         return self.split_group is None
 
 
-FACTORS: dict[str, FactorRule] = {r.factor: r for r in [
-    FactorRule("o_lora_A", 1, "tp"),
-    FactorRule("o_lora_B", None, None),
-    FactorRule("q_a_lora_A", None, None, grad_sum="tp"),
-    FactorRule("q_a_lora_B", None, None, grad_sum="tp"),
-    FactorRule("kv_a_lora_A", None, None, grad_sum="tp"),
-    FactorRule("kv_a_lora_B", None, None, grad_sum="tp"),
-    FactorRule("fc1_lora_A", None, None, grad_sum="tp"),
-    FactorRule("fc1_lora_B", 0, "tp", halves=True),
-    FactorRule("fc2_lora_A", 1, "tp"),
-    FactorRule("fc2_lora_B", None, None, grad_sum="tp", grad_sum_needs_sp=True),
-    FactorRule("w1_lora_A", None, None, grad_sum="ep"),
-    FactorRule("w3_lora_A", None, None, grad_sum="ep"),
-    FactorRule("w1_lora_B", 0, "ep"),
-    FactorRule("w3_lora_B", 0, "ep"),
-    FactorRule("w2_lora_A", 0, "ep"),
-    FactorRule("w2_lora_B", None, None, grad_sum="ep"),
-]}
+# Parallel style -> the layout of (A, B): FactorRule fields (unset: replicated, no extra gradient sum).
+_STYLE_LAYOUTS: dict[ParallelStyle, tuple[dict, dict]] = {
+    ParallelStyle.ROW_ALL_REDUCE: ({"split_dim": 1, "split_group": "tp"}, {}),
+    ParallelStyle.ROW_REDUCE_SCATTER: ({"split_dim": 1, "split_group": "tp"},
+                                       {"grad_sum": "tp", "grad_sum_needs_sp": True}),
+    ParallelStyle.COLUMN: ({"grad_sum": "tp"}, {"split_dim": 0, "split_group": "tp"}),
+    ParallelStyle.DUPLICATED: ({"grad_sum": "tp"}, {"grad_sum": "tp"}),
+    ParallelStyle.EXPERT_FC1: ({"grad_sum": "ep"}, {"split_dim": 0, "split_group": "ep"}),
+    ParallelStyle.EXPERT_FC2: ({"split_dim": 0, "split_group": "ep"}, {"grad_sum": "ep"}),
+}
+
+
+def _rules(target: LoRATarget) -> list[FactorRule]:
+    """The A and B rules of each of the target's factors, from its parallel style; a fused target's split B
+    holds its modules' parts stacked (``halves``)."""
+    a, b = _STYLE_LAYOUTS[target.style]
+    halves = {"halves": True} if target.fused and "split_dim" in b else {}
+    unset = {"split_dim": None, "split_group": None}
+    return [rule for f in target.factors for rule in (FactorRule(f"{f}_lora_A", **{**unset, **a}),
+                                                      FactorRule(f"{f}_lora_B", **{**unset, **b, **halves}))]
+
+
+@functools.lru_cache(maxsize=4)
+def _rules_of(table: tuple[LoRATarget, ...]) -> dict[str, FactorRule]:
+    rules: dict[str, FactorRule] = {}
+    for target in table:
+        for rule in _rules(target):
+            if rules.setdefault(rule.factor, rule) != rule:
+                raise ShardingError(f"LoRA factor {rule.factor} has two layouts: its prefix is used by two targets "
+                                    "of different styles")
+    return rules
+
+
+def factor_rules() -> dict[str, FactorRule]:
+    """Every factor's rule, by Megatron factor name, from the target table."""
+    return dict(_rules_of(lora_targets()))
 
 
 def factor_rule(factor: str) -> FactorRule:
     """The rule for a Megatron factor name (see the module table); unknown names raise."""
+    rules = _rules_of(lora_targets())
     try:
-        return FACTORS[factor]
+        return rules[factor]
     except KeyError:
-        raise ShardingError(f"unknown LoRA factor {factor!r}: expected one of {sorted(FACTORS)}") from None
+        raise ShardingError(f"unknown LoRA factor {factor!r}: expected one of {sorted(rules)}") from None
 
 
 def grad_sum_group(factor: str, layout: ParallelLayout) -> Group | None:

@@ -1,18 +1,19 @@
 """LoRA on the K3 megatron modules under TP and EP (recipe §4.1-4.2; layouts from ``k3.lora.sharding``).
 
-``apply_megatron_lora`` freezes the model and attaches an adapter as ``linear.lora`` at the recipe's targets
-(the same coverage as ``k3.lora.targets``: ``mlp.linear_fc1/fc2`` also cover the MoE layers' shared experts).
-Each adapter holds its factors under the recipe's names (``o_lora_A``, ``fc1_lora_B``, ``w1_lora_A`` …), so a
-parameter's last name component is its ``k3.lora.sharding`` factor, and computes its delta with the
-communication its base needs:
+``apply_megatron_lora`` freezes the model and attaches an adapter as ``linear.lora`` at the configured targets:
+each target's Megatron module in every block its placement gives a layer (the target table,
+``k3/settings/lora.py``: ``mlp.linear_fc1/fc2`` also cover the MoE layers' shared experts). Each adapter holds
+its factors under the table's names (``o_lora_A``, ``fc1_lora_B``, ``w1_lora_A`` …), so a parameter's last name
+component is its ``k3.lora.sharding`` factor, and computes its delta with the communication its base needs, by
+the target's parallel style:
 
-| base (module) | delta | communication |
-|---|---|---|
-| row-parallel ``o_proj`` | ``B · allreduce(A_t x_t)``, then the rank's SP shard | all-reduce of r-wide rows |
-| row-parallel ``linear_fc2`` | ``B · reduce_scatter(A_t x_t)`` (all-reduce without SP) | r-wide rows |
-| column-parallel ``linear_fc1`` | ``B_t · (A x)`` on the gathered input | none (inside the TP region) |
-| duplicated ``q_a``/``kv_a`` | ``B · (A x)`` on the gathered input | none (inside the TP region) |
-| routed experts fc1 / fc2 | shared-outer grouped GEMMs on the dispatched rows (``expert_lora_kernel``) | none (outside TP) |
+| style (base module) | adapter | delta | communication |
+|---|---|---|---|
+| row, all-reduce (``o_proj``) | ``RowParallelLoRA`` | ``B · allreduce(A_t x_t)``, then the rank's SP shard | all-reduce of r-wide rows |
+| row, reduce-scatter (``linear_fc2``) | ``RowParallelLoRA`` | ``B · reduce_scatter(A_t x_t)`` (all-reduce without SP) | r-wide rows |
+| column (``linear_fc1``) | ``ReplicatedInputLoRA`` | ``B_t · (A x)`` on the gathered input | none (inside the TP region) |
+| duplicated (``q_a``/``kv_a``) | ``ReplicatedInputLoRA`` | ``B · (A x)`` on the gathered input | none (inside the TP region) |
+| expert fc1 / fc2 | ``ExpertFc1LoRA`` / ``ExpertFc2LoRA`` | shared-outer grouped GEMMs on the dispatched rows (``expert_lora_kernel``) | none (outside TP) |
 
 Gradients: factors tagged ``k3_grad_sum`` are summed over TP / EP by ``k3.megatron.grads`` before megatron's
 data-parallel reduction, as ``k3.lora.sharding`` prescribes (inside the TP region every consumer of the
@@ -39,16 +40,13 @@ from torch import nn
 
 import k3.kernels.expert_lora.function as lora_grouped
 from k3.kernels.grouped_mm import grouped_mm
-from k3.lora.config import LoRAConfig, LoRAConfigError
 from k3.lora.sharding import ParallelLayout, factor_rule, gather, grad_sum_group, local_shape, shard
-from k3.megatron.kda import K3KDAttention
 from k3.megatron.linears import ColumnParallel, DuplicatedLinear, GroupedExpertLinear, RowParallel, mark_grad_sum
-from k3.megatron.mla import K3MLAttention
-from k3.megatron.mlp import K3SiTUMLP
-from k3.megatron.moe import K3LatentMoE, K3RoutedExperts
+from k3.settings.lora import LoRAConfig, LoRAConfigError, LoRATarget, ParallelStyle
 
-__all__ = ["ExpertFc1LoRA", "ExpertFc2LoRA", "ExpertLoRA", "LoRAAdapter", "ParallelContext", "apply_megatron_lora",
-           "gather_lora", "iter_lora", "load_lora", "lora_factors", "lora_parameters", "mark_expert_factor"]
+__all__ = ["BASE_CLASSES", "ExpertFc1LoRA", "ExpertFc2LoRA", "ExpertLoRA", "LoRAAdapter", "ParallelContext",
+           "apply_megatron_lora", "gather_lora", "iter_lora", "load_lora", "lora_factors", "lora_parameters",
+           "mark_expert_factor"]
 
 
 class ParallelContext:
@@ -250,6 +248,34 @@ def _layers(model: nn.Module):
     return decoder.layers
 
 
+# Parallel style -> the megatron linear it adapts.
+BASE_CLASSES: dict[ParallelStyle, type[nn.Module]] = {
+    ParallelStyle.ROW_ALL_REDUCE: RowParallel,
+    ParallelStyle.ROW_REDUCE_SCATTER: RowParallel,
+    ParallelStyle.COLUMN: ColumnParallel,
+    ParallelStyle.DUPLICATED: DuplicatedLinear,
+    ParallelStyle.EXPERT_FC1: GroupedExpertLinear,
+    ParallelStyle.EXPERT_FC2: GroupedExpertLinear,
+}
+
+
+def _new_adapter(target: LoRATarget, linear: nn.Module, num_experts: int, expert_lora_kernel: str,
+                 **common) -> LoRAAdapter:
+    """The adapter of ``target``'s style on ``linear``; ``common``: ``LoRAAdapter``'s keyword arguments."""
+    style, prefix = target.style, target.factors[0]
+    if style is ParallelStyle.ROW_ALL_REDUCE:
+        return RowParallelLoRA(linear, prefix=prefix, global_in=linear.input_size, reduce="all_reduce", **common)
+    if style is ParallelStyle.ROW_REDUCE_SCATTER:
+        return RowParallelLoRA(linear, prefix=prefix, global_in=linear.input_size, reduce="reduce_scatter",
+                               **common)
+    if style is ParallelStyle.COLUMN:
+        return ReplicatedInputLoRA(linear, prefix=prefix, global_out=linear.output_size, **common)
+    if style is ParallelStyle.DUPLICATED:
+        return ReplicatedInputLoRA(linear, prefix=prefix, global_out=linear.weight.shape[0], **common)
+    fc = ExpertFc1LoRA if style is ParallelStyle.EXPERT_FC1 else ExpertFc2LoRA
+    return fc(linear, num_experts=num_experts, kernel=expert_lora_kernel, **common)
+
+
 def apply_megatron_lora(model: nn.Module, lora: LoRAConfig, seed: int = 0,
                         expert_lora_kernel: str = "torch") -> list[str]:
     """Freeze ``model`` (a ``k3_model_provider`` stage) and attach adapters at ``lora.target_modules``.
@@ -258,59 +284,40 @@ def apply_megatron_lora(model: nn.Module, lora: LoRAConfig, seed: int = 0,
     rank-r grouped GEMMs (``ExpertLoRA``; the same adapters and math either way).
 
     Returns the global names of the adapted linears. Call it before wrapping the model in megatron's DDP.
-    Raises ``LoRAConfigError`` when a target matches nothing on this stage, ``TypeError`` if LoRA is on, and
-    ``ValueError`` for an unknown ``expert_lora_kernel`` or ``"triton"`` without Triton.
+    Raises ``LoRAConfigError`` when a target matches nothing on this stage or a target's module is not the
+    linear its style adapts, ``TypeError`` if LoRA is on, and ``ValueError`` for an unknown ``expert_lora_kernel``
+    or ``"triton"`` without Triton.
     """
     if not isinstance(lora, LoRAConfig):
         raise TypeError(f"apply_megatron_lora: lora is a {type(lora).__name__}, expected LoRAConfig")
     if any(isinstance(m, LoRAAdapter) for m in model.modules()):
         raise TypeError("apply_megatron_lora: the model already carries LoRA adapters")
     lora_grouped.check_kernel_choice(expert_lora_kernel, flag="expert_lora_kernel")
+    sites = []
+    for layer in _layers(model):
+        cfg = layer.config.k3
+        for target in lora.targets:
+            for block in target.placement.blocks_at(cfg, layer.layer_idx):
+                name = target.megatron_module(block)
+                linear = layer.get_submodule(name)
+                if not isinstance(linear, BASE_CLASSES[target.style]):
+                    raise LoRAConfigError(f"LoRA target {target.name!r}: decoder.layers.{layer.layer_idx}.{name} is "
+                                          f"a {type(linear).__name__}, expected a "
+                                          f"{BASE_CLASSES[target.style].__name__} ({target.style.value})")
+                sites.append((layer, target, name, linear))
     for p in model.parameters():
         p.requires_grad_(False)
-    targets = set(lora.target_modules)
     adapted: list[str] = []
-    hits = {t: 0 for t in targets}
-
-    for layer in _layers(model):
-        prefix = f"decoder.layers.{layer.layer_idx}."
-        attn, mlp = layer.self_attention, layer.mlp
-        ctx = ParallelContext(layer.pg_collection, layer.config.sequence_parallel)
-
-        def attach(linear: nn.Module, name: str, adapter_cls, target: str, **kw) -> None:
-            linear.lora = adapter_cls(linear, **kw, lora=lora, ctx=ctx, global_name=prefix + name, seed=seed)
-            adapted.append(prefix + name)
-            hits[target] += 1
-
-        if "self_attention.o_proj" in targets and isinstance(attn, (K3KDAttention, K3MLAttention)):
-            attach(attn.o_proj, "self_attention.o_proj", RowParallelLoRA, "self_attention.o_proj", prefix="o",
-                   global_in=attn.o_proj.input_size, reduce="all_reduce")
-        if isinstance(attn, K3MLAttention):
-            for target, leaf, fp in (("self_attention.q_a_proj", "q_a_proj", "q_a"),
-                                     ("self_attention.kv_a_proj_with_mqa", "kv_a_proj_with_mqa", "kv_a")):
-                if target in targets:
-                    linear = getattr(attn, leaf)
-                    attach(linear, f"self_attention.{leaf}", ReplicatedInputLoRA, target, prefix=fp,
-                           global_out=linear.weight.shape[0])
-        mlps = [("mlp.", mlp)] if isinstance(mlp, K3SiTUMLP) else []
-        if isinstance(mlp, K3LatentMoE) and mlp.shared_experts is not None:
-            mlps.append(("mlp.shared_experts.", mlp.shared_experts))
-        for sub, m in mlps:
-            if "mlp.linear_fc1" in targets:
-                attach(m.linear_fc1, sub + "linear_fc1", ReplicatedInputLoRA, "mlp.linear_fc1", prefix="fc1",
-                       global_out=m.linear_fc1.output_size)
-            if "mlp.linear_fc2" in targets:
-                attach(m.linear_fc2, sub + "linear_fc2", RowParallelLoRA, "mlp.linear_fc2", prefix="fc2",
-                       global_in=m.linear_fc2.input_size, reduce="reduce_scatter")
-        if isinstance(mlp, K3LatentMoE):
-            experts: K3RoutedExperts = mlp.experts
-            E = layer.config.k3.num_experts
-            if "mlp.experts.linear_fc1" in targets:
-                attach(experts.linear_fc1, "mlp.experts.linear_fc1", ExpertFc1LoRA, "mlp.experts.linear_fc1",
-                       num_experts=E, kernel=expert_lora_kernel)
-            if "mlp.experts.linear_fc2" in targets:
-                attach(experts.linear_fc2, "mlp.experts.linear_fc2", ExpertFc2LoRA, "mlp.experts.linear_fc2",
-                       num_experts=E, kernel=expert_lora_kernel)
+    hits = {t: 0 for t in lora.target_modules}
+    contexts: dict[int, ParallelContext] = {}  # one per layer, shared by its adapters
+    for layer, target, name, linear in sites:
+        global_name = f"decoder.layers.{layer.layer_idx}.{name}"
+        if id(layer) not in contexts:
+            contexts[id(layer)] = ParallelContext(layer.pg_collection, layer.config.sequence_parallel)
+        linear.lora = _new_adapter(target, linear, layer.config.k3.num_experts, expert_lora_kernel, lora=lora,
+                                   ctx=contexts[id(layer)], global_name=global_name, seed=seed)
+        adapted.append(global_name)
+        hits[target.name] += 1
     missing = sorted(t for t, n in hits.items() if n == 0)
     whole_model = len(_layers(model)) == getattr(model.config, "num_layers", -1)
     if missing and whole_model:  # a pipeline stage may legitimately hold no layer of a target's kind

@@ -27,12 +27,12 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from k3.lora.config import LoRAConfig
 from k3.megatron.config import K3TransformerConfig
 from k3.megatron.context_parallel import cp_gather_tokens, cp_local_tokens
 from k3.megatron.grads import finalize_k3_model_grads
 from k3.megatron.lora import apply_megatron_lora
 from k3.megatron.model import k3_model_provider
+from k3.settings.lora import LoRAConfig
 
 __all__ = ["LossContext", "LossFn", "MegatronLoRATrainer", "MicroBatch", "TokenOutputs", "build_lora_trainer",
            "token_mean_loss", "token_outputs", "vocab_parallel_entropy"]

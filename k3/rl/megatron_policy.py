@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from k3.checkpoint.names import hf_lora_to_megatron, megatron_lora_to_hf
 from k3.config import K3Config
-from k3.lora.config import LoRAConfig, LoRAConfigError
+from k3.settings.lora import LoRAConfig, LoRAConfigError
 from k3.lora.export import (AdapterChunk, ChunkAllocator, ChunkSpec, ExportError, PEFT_PREFIX, chunk_layout,
                             read_peft_adapter_config, write_peft_adapter)
 from k3.rl.grpo import GRPOConfig, policy_loss

@@ -260,7 +260,7 @@ def build_server_args(config: Any, **overrides: Any) -> dict[str, Any]:
     applied last (a ``None`` value removes a key); an engine spanning several nodes needs ``dist_init_addr``
     and ``node_rank`` there. Raises ``ValueError`` naming the key at fault.
     """
-    from k3.lora.config import LoRAConfig, LoRAConfigError
+    from k3.settings.lora import LoRAConfig, LoRAConfigError
 
     flat = _flat_config(config)
     variant = _need(flat, "model_variant")

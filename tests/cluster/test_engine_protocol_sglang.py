@@ -26,10 +26,10 @@ import pytest
 import torch
 
 from k3.config import K3Config, variant
-from k3.launch.args import TARGET_MODULES
 from k3.lora import LoRAConfig
 from k3.lora.export import AdapterChunk, chunk_layout
 from k3.rollout.protocol import GenerateRequest, RolloutEngine, SamplingParams
+from k3.settings.lora import target_names
 
 RANK = 4
 PROMPTS = [[17, 40, 51, 88], [23, 99], [64, 65, 66, 67, 68, 69]]
@@ -95,7 +95,7 @@ def _fake_sglang(tmp: Path) -> Rig:
     lora = LoRAConfig(rank=RANK, alpha=2 * RANK)
     args = build_server_args({"hf_checkpoint": str(tmp / "base"), "model_variant": "tiny",
                               "rollout_num_gpus_per_engine": 1, "lora_rank": RANK,
-                              "target_modules": list(TARGET_MODULES), "sglang_max_running_requests": 2})
+                              "target_modules": list(target_names()), "sglang_max_running_requests": 2})
     tok = ByteTokenizer()
     return Rig(SGLangEngine(args, tokenizer=tok), _chunks_for(cfg, lora), {tok.eos_id})
 
@@ -128,7 +128,7 @@ def _sglang() -> Rig:
     args = build_server_args({
         "hf_checkpoint": ckpt, "model_variant": "full" if cfg.num_hidden_layers == 93 else "4layer",
         "rollout_num_gpus_per_engine": tp, "sglang_ep_size": tp, "num_gpus_per_node": gpus, "lora_rank": RANK,
-        "target_modules": list(TARGET_MODULES), "sglang_max_running_requests": 8, "sglang_context_length": 4096,
+        "target_modules": list(target_names()), "sglang_max_running_requests": 8, "sglang_context_length": 4096,
         "sglang_mem_fraction_static": 0.5, "seed": 0,
     })
     tok = load_tokenizer(ckpt)

@@ -9,13 +9,13 @@ import re
 import pytest
 
 from k3.launch.args import (
-    TARGET_MODULES,
     LaunchConfigError,
     TrainArgs,
     resolve,
 )
 from k3.launch.layout import LayoutError, split_pipeline_layers
 from k3.launch.parser import build_parser, env_var_name, flag_name, parse_train_args
+from k3.settings.lora import target_names
 
 GIB, MIB = 1024**3, 1024**2
 
@@ -286,8 +286,8 @@ def test_worker_env():
         (TrainArgs(sglang_max_total_tokens=0), "--sglang-max-total-tokens 0: must be > 0"),
         (TrainArgs(num_rollout=0), "--num-rollout 0: must be > 0"),
         (TrainArgs(target_modules=["self_attention.o_proj", "foo"]),
-         "--target-modules: unknown foo; allowed: " + " ".join(TARGET_MODULES)),
-        (TrainArgs(target_modules=list(TARGET_MODULES[1:])),
+         "--target-modules: unknown foo; allowed: " + " ".join(target_names())),
+        (TrainArgs(target_modules=list(target_names()[1:])),
          "--target-modules must include self_attention.o_proj (only mlp.experts.linear_fc2 may be left out)"),
         (TrainArgs(experts_shared_outer_loras=False),
          "--no-experts-shared-outer-loras is not supported: K3's 896-expert adapters share their outer factors; "
@@ -315,7 +315,7 @@ def test_validation_errors_say_what_to_change(args, message):
 
 
 def test_dropping_only_the_optional_expert_fc2_target_is_allowed():
-    kept = [m for m in TARGET_MODULES if m != "mlp.experts.linear_fc2"]
+    kept = [m for m in target_names() if m != "mlp.experts.linear_fc2"]
     assert resolve(TrainArgs(target_modules=kept, run_id="t")).args.target_modules == kept
 
 

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from k3.config import variant
-from k3.launch.args import TARGET_MODULES, resolve
+from k3.launch.args import resolve
 from k3.launch.parser import parse_train_args
 from k3.launch.train import main as train_main
 from k3.lora import LoRAConfig
@@ -36,6 +36,7 @@ from k3.rl import loop as loop_mod
 from k3.rl.arith import write_arith_dataset
 from k3.rl.sglang_worker import EngineNode, SGLangEngineWorker, plan_engine_nodes
 from k3.rl.workers import TrainerWorker, WorkerSpec
+from k3.settings.lora import target_names
 
 FAKE = Path(__file__).resolve().parents[1] / "fake_sglang"
 CONTRACT = Path(__file__).resolve().parent / "test_sglang_contract.py"
@@ -233,11 +234,11 @@ def _worker(root: Path, rank: int = 4) -> tuple[SGLangEngineWorker, LoRAConfig]:
     from k3.rollout.sglang import build_server_args
 
     spec = WorkerSpec(model_dir=str(root / "base"), lora_rank=rank, lora_alpha=2.0 * rank, lora_dropout=0.0,
-                      target_modules=tuple(TARGET_MODULES))
+                      target_modules=target_names())
     worker = SGLangEngineWorker(spec, sglang_path=str(FAKE))
     worker.start(build_server_args({"hf_checkpoint": str(root / "base"), "model_variant": "tiny",
                                     "rollout_num_gpus_per_engine": 1, "lora_rank": rank,
-                                    "target_modules": list(TARGET_MODULES)}))
+                                    "target_modules": list(target_names())}))
     return worker, spec.lora_config()
 
 

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from k3.lora import RECIPE_TARGETS, LoRAConfig, LoRAConfigError
+from k3.lora import LoRAConfig, LoRAConfigError
+from k3.settings.lora import target_names
 
 
 def test_defaults_are_the_launchers():
     c = LoRAConfig()
     assert (c.rank, c.alpha, c.dropout) == (16, 32.0, 0.0)
     assert c.scale == 2.0
-    assert c.target_modules == RECIPE_TARGETS
-    assert len(RECIPE_TARGETS) == 7
+    assert c.target_modules == target_names()
+    assert len(target_names()) == 7
     assert LoRAConfig(rank=32, alpha=64).scale == 2.0
     assert LoRAConfig(rank=8, alpha=4).scale == 0.5
 
@@ -56,7 +57,7 @@ def test_hf_targets_follow_the_selection():
     assert LoRAConfig(target_modules=["mlp.experts.linear_fc2"]).hf_target_modules() == ["down_proj"]
 
 
-@pytest.mark.parametrize("targets", [RECIPE_TARGETS, ("self_attention.o_proj", "mlp.experts.linear_fc1"),
+@pytest.mark.parametrize("targets", [target_names(), ("self_attention.o_proj", "mlp.experts.linear_fc1"),
                                      ("mlp.linear_fc2",)])
 def test_peft_round_trip_is_exact(targets):
     c = LoRAConfig(rank=8, alpha=12.5, dropout=0.05, target_modules=targets)

@@ -19,7 +19,7 @@ from torch import nn
 
 from k3.kernels.expert_lora import availability, function
 from k3.kernels.expert_lora.triton import DEFAULT_BLOCKS, cpu_interpreter_problem
-from k3.lora.config import LoRAConfig
+from k3.settings.lora import LoRAConfig
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (a GPU lease carries it as a wheel)")
 from k3.megatron.linears import GroupedExpertLinear  # noqa: E402

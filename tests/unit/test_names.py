@@ -177,7 +177,7 @@ def test_mismatched_fused_halves_raise(cfg, hf_state):
 # ------------------------------------------------------------------------------------------------- LoRA names
 @pytest.fixture(scope="module")
 def peft_adapters(cfg):
-    from k3.lora.config import LoRAConfig
+    from k3.settings.lora import LoRAConfig
     from k3.lora.export import chunk_layout
 
     g = torch.Generator().manual_seed(3)
