@@ -9,10 +9,11 @@
 
   - ``rollout_id``: int >= 0, the last rollout the checkpoint includes (``--resume`` continues with the next);
   - ``version``: int >= 0, the adapter version the trainer had sent when it was saved;
-  - the trainer's optimizer state (``TrainerWorker.optimizer_state``). One rank: ``optimizer`` (a dict, the
-    optimizer's ``state_dict()``: tensors, numbers, strings, lists), ``steps`` (int >= 0, optimizer steps
-    taken) and ``backend`` (``"torch"`` or ``"megatron"``; absent: ``torch``); the megatron backend adds
-    ``parallel`` ([TP, EP, PP, CP]) and ``dp``. Several ranks (``k3.rl.trainers.group.merge_rank_states``):
+  - the trainer's optimizer state (``TrainerWorker.optimizer_state``). One rank: ``optimizer`` (the optimizer's
+    ``state_dict()`` of tensors, numbers, strings and lists: a dict, or for megatron's chained optimizer a list of
+    dicts, one per optimizer it chains), ``steps`` (int >= 0, optimizer steps taken) and ``backend``
+    (``"torch"`` or ``"megatron"``; absent: ``torch``); the megatron backend adds ``parallel`` ([TP, EP, PP, CP])
+    and ``dp``. Several ranks (``k3.rl.trainers.group.merge_rank_states``):
     rank 0's ``backend``, ``parallel``, ``dp``, ``steps``, the ``world_size`` and ``ranks``, the list of every
     rank's one-rank state above, in rank order.
 
@@ -199,8 +200,10 @@ def _optimizer_problem(state: Any, whose: str) -> str | None:
         return f"{whose}optimizer state is a {type(state).__name__}, not a dict"
     if "optimizer" not in state:
         return f"no {whose}optimizer state in it (no 'optimizer' key)"
-    if not isinstance(state["optimizer"], dict):
-        return f"{whose}'optimizer' is a {type(state['optimizer']).__name__}, not an optimizer's state dict"
+    optimizer = state["optimizer"]
+    if not (isinstance(optimizer, dict) or isinstance(optimizer, list) and all(isinstance(o, dict) for o in optimizer)):
+        return (f"{whose}'optimizer' is a {type(optimizer).__name__}, not an optimizer's state dict (or a list of "
+                "them)")
     if not _is_count(state.get("steps")):
         return f"{whose}'steps' is {state.get('steps')!r}, not an integer >= 0"
     return None

@@ -80,7 +80,8 @@ def test_a_planted_pickle_never_runs_its_payload(checkpoint, tmp_path):
 
 @pytest.mark.parametrize("state, says", [
     ({"rollout_id": 1, "version": 2, "steps": 2}, "no optimizer state in it (no 'optimizer' key)"),
-    ({**GOOD, "optimizer": [1, 2]}, "'optimizer' is a list, not an optimizer's state dict"),
+    ({**GOOD, "optimizer": [{}, 2]}, "'optimizer' is a list, not an optimizer's state dict (or a list of them)"),
+    ({**GOOD, "optimizer": "adam"}, "'optimizer' is a str, not an optimizer's state dict"),
     ({**GOOD, "steps": None}, "'steps' is None, not an integer >= 0"),
     ([GOOD], "it holds a list, not a dict"),
     ({"steps": 1}, "no rollout_id in it"),
@@ -89,8 +90,8 @@ def test_a_planted_pickle_never_runs_its_payload(checkpoint, tmp_path):
     ({**GOOD, "ranks": []}, "'ranks' is list, not a list of the ranks' optimizer states"),
     ({"rollout_id": 1, "version": 2, "ranks": [GOOD, {"steps": 1}]}, "no rank 1's optimizer state in it"),
     ({**GOOD, "optimizer": {"state": {0: _NotPlainData()}}}, "is refused: it holds a Python object"),
-], ids=["no-optimizer", "optimizer-not-a-dict", "no-steps", "not-a-dict", "no-rollout-id", "rollout-id-text",
-        "negative-version", "empty-ranks", "rank-without-optimizer", "foreign-object"])
+], ids=["no-optimizer", "optimizer-list-of-non-dicts", "optimizer-text", "no-steps", "not-a-dict", "no-rollout-id",
+        "rollout-id-text", "negative-version", "empty-ranks", "rank-without-optimizer", "foreign-object"])
 def test_a_malformed_state_is_refused_in_one_line_naming_the_file(checkpoint, tmp_path, state, says):
     bad = _with_state(checkpoint, tmp_path, state)
     with pytest.raises(TrainingError) as err:
@@ -111,23 +112,24 @@ def test_bytes_that_are_no_torch_file_are_corrupted(tmp_path):
 
 def test_the_states_the_trainers_save_load_with_weights_only(tmp_path):
     """A real AdamW state after a step (tensors, tuples of betas, None and bool options) for one rank, and the
-    merged state of two ranks, come back equal."""
+    merged state of two megatron ranks whose chained optimizer gives a list of such states, come back equal."""
     p = torch.nn.Parameter(torch.randn(3, 2))
     opt = torch.optim.AdamW([p], lr=1e-3, betas=(0.9, 0.98))
     p.grad = torch.ones_like(p)
     opt.step()
     one = {"backend": "torch", "optimizer": opt.state_dict(), "steps": 1}
-    megatron = {"backend": "megatron", "parallel": [2, 1, 1, 1], "dp": 1, "optimizer": opt.state_dict(), "steps": 1}
+    megatron = {"backend": "megatron", "parallel": [2, 1, 1, 1], "dp": 1, "steps": 1,
+                "optimizer": [opt.state_dict(), opt.state_dict()]}
     for state in ({"rollout_id": 0, "version": 1, **one},
                   {"rollout_id": 3, "version": 4, **merge_rank_states([megatron, megatron])}):
         assert trainer_state_problem(state) is None
         torch.save(state, tmp_path / STATE_NAME)
         loaded = load_trainer_state(tmp_path / STATE_NAME)
         assert loaded.keys() == state.keys() and loaded["rollout_id"] == state["rollout_id"]
-        ranks = loaded.get("ranks", [loaded])
-        for got in ranks:
-            assert got["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.98)
-            assert torch.equal(got["optimizer"]["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+        states = [rank["optimizer"] for rank in loaded.get("ranks", [loaded])]
+        for got in [o for state in states for o in (state if isinstance(state, list) else [state])]:
+            assert got["param_groups"][0]["betas"] == (0.9, 0.98)
+            assert torch.equal(got["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
 
 
 def test_a_save_whose_state_would_not_load_safely_fails_and_commits_nothing(checkpoint, tmp_path):
