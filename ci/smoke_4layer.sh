@@ -138,7 +138,7 @@ except Exception as e:
 print(f"sglang={version('sglang', 'sglang')}")
 print(f"megatron_core={version('megatron-core', 'megatron.core')}")
 try:
-    from k3.rollout.sglang import SGLANG_VERSION
+    from k3.rollout.sglang.surface import SGLANG_VERSION
     print(f"sglang_pin={SGLANG_VERSION}")
 except Exception as e:
     print(f"k3=missing ({type(e).__name__}: {e})".replace("\n", " "))

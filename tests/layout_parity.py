@@ -18,7 +18,7 @@ ADAPTER_REL = 1e-3
 
 def trajectories(vocab: int, advantages: tuple[float, ...] = ADVANTAGES) -> list:
     """One ``Trajectory`` per advantage: prompts of 2-5 and responses of 1-7 tokens drawn from seed 5."""
-    from k3.rl.policy import Trajectory
+    from k3.rl.trainers.trajectory import Trajectory
 
     gen = torch.Generator().manual_seed(5)
     out = []

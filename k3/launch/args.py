@@ -21,6 +21,7 @@ from typing import Any
 
 from k3.config import variant
 from k3.launch.layout import LayoutError, ParallelLayout, derive_layout
+from k3.rollout.registry import DEFAULT_ENGINE, ENGINE_NAMES, ENGINES, engine_kind
 from k3.settings.lora import optional_target_names, target_names
 
 __all__ = [
@@ -47,10 +48,9 @@ TASKS = ("gsm8k", "dapo-math", "arith")
 MODEL_VARIANTS = ("tiny", "4layer", "full")
 REWARD_MODELS = ("deterministic_random", "deepscaler", "math")
 BACKENDS = ("torch", "megatron")
-ROLLOUT_ENGINES = ("embedded", "sglang")
 PEAK_DEVICES = ("cpu", "gpu")
 OFFLOAD_ROLLOUT_LEVELS = ("kv_cache", "weight")
-EXPERT_LORA_KERNELS = ("auto", "torch", "triton")  # k3.kernels.lora_grouped.KERNEL_CHOICES; not imported: it loads torch and Triton
+EXPERT_LORA_KERNELS = ("auto", "torch", "triton")  # k3.kernels.expert_lora.function.KERNEL_CHOICES (not imported: it loads torch)
 ENV_PREFIX = "K3_"
 
 # Recipe paths for the 4layer default and what `full` switches them to when left at the default.
@@ -137,8 +137,9 @@ class TrainArgs:
     ep_size_override: int | None = opt(None, "expert parallel size instead of the derived one",
                                        group="parallelism")
     # --- rollout
-    rollout_engine: str = opt("embedded", "rollout engine: embedded (k3.model, any device) or sglang (GPU "
-                              "cluster)", choices=ROLLOUT_ENGINES, group="rollout", ours=True)
+    rollout_engine: str = opt(DEFAULT_ENGINE, "rollout engine: " + " or ".join(f"{k.name} ({k.summary})"
+                                                                            for k in ENGINES.values()),
+                              choices=ENGINE_NAMES, group="rollout", ours=True)
     sglang_path: str = opt("/root/sglang/python", "directory containing the sglang/ package", group="rollout")
     rollout_tp_size: int = opt(8, "tensor parallel size of each rollout engine (full only; divides 64 and 96)",
                                group="rollout")
@@ -386,12 +387,9 @@ def _worker_env(a: TrainArgs) -> dict[str, str]:
     """Environment of every Ray worker (recipe §6.1 "Environment passed to Ray")."""
     env: dict[str, str] = {}
     repo_root = str(Path(__file__).resolve().parents[2])
-    python_path = [repo_root]
-    if a.rollout_engine == "sglang":
-        python_path.append(a.sglang_path)
-        env["SGLANG_JIT_ROUTE_RADIX"] = "1"
-        # SGLang's default NUMA membind put the whole host weight mirror on one NUMA node, which could not hold it.
-        env["SGLANG_NUMA_BIND_V2"] = os.environ.get("SGLANG_NUMA_BIND_V2", "0")
+    engine = engine_kind(a.rollout_engine)
+    python_path = [repo_root, *engine.python_path(a)]
+    env.update(engine.worker_env(a))
     if os.environ.get("PYTHONPATH"):
         python_path.append(os.environ["PYTHONPATH"])
     env["PYTHONPATH"] = os.pathsep.join(python_path)
@@ -418,7 +416,7 @@ def resolve(args: TrainArgs) -> ResolvedConfig:
                             offload_rollout_level=list(args.offload_rollout_level))
     notes: list[str] = []
     for name, choices in [("mode", MODES), ("task", TASKS), ("model_variant", MODEL_VARIANTS),
-                          ("backend", BACKENDS), ("rollout_engine", ROLLOUT_ENGINES),
+                          ("backend", BACKENDS), ("rollout_engine", ENGINE_NAMES),
                           ("colocate_memory_peak_device", PEAK_DEVICES),
                           ("expert_lora_kernel", EXPERT_LORA_KERNELS)]:
         _check_choice(a, name, choices)
@@ -562,9 +560,11 @@ def _validate_values(a: TrainArgs) -> None:
         raise _fail(f"--lora-base-cpu-backup needs 'weight' in --offload-rollout-level (got "
                     f"{' '.join(a.offload_rollout_level) or 'nothing'}): add weight, or pass "
                     "--no-lora-base-cpu-backup")
-    if a.num_gpus_per_node == 0 and a.rollout_engine == "sglang":
-        raise _fail("--rollout-engine sglang needs GPUs (--num-gpus-per-node 0 is CPU): use --rollout-engine "
-                    "embedded on CPU")
+    engine = engine_kind(a.rollout_engine)
+    if a.num_gpus_per_node == 0 and engine.needs_gpus:
+        on_cpu = " or ".join(k.name for k in ENGINES.values() if not k.needs_gpus)
+        raise _fail(f"--rollout-engine {engine.name} needs GPUs (--num-gpus-per-node 0 is CPU): use --rollout-engine "
+                    f"{on_cpu} on CPU")
     parse_env_pairs(a.extra_env_vars)
 
 

@@ -47,8 +47,8 @@ def prepare_data(
     """Download (through huggingface_hub) or import a task's datasets, validate every record, and lay them out
     as the recipe expects. Records are JSON lines with `prompt` and `label`. Without network it says exactly
     what to fetch and where to put it."""
-    from k3.rl.data import DataError
-    from k3.rl.data import prepare_data as prepare
+    from k3.rl.data.prepare import prepare_data as prepare
+    from k3.rl.data.records import DataError
 
     try:
         result = prepare(task.value, data_dir, from_local, force=force, seed=seed)

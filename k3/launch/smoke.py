@@ -56,7 +56,7 @@ def _step(title: str, cmd: list[str], log: Path) -> None:
 
 def warm_base(bf16_dir: Path, cache_root: Path, seed: int = WARMUP["seed"]) -> Path:
     """The warmed-up tiny base (warm-up ``seed``), from the cache when its key matches."""
-    from k3.rl.arith import warmup_corpus
+    from k3.rl.data.arith import warmup_corpus
     from k3.rl.warmup import supervised_warmup, warmup_key
 
     settings = {**WARMUP, "seed": seed}
@@ -66,7 +66,7 @@ def warm_base(bf16_dir: Path, cache_root: Path, seed: int = WARMUP["seed"]) -> P
         print(f"\n== warm-up: cached at {out}", flush=True)
         return out
     print(f"\n== warm-up: supervised arithmetic on the tiny base ({WARMUP['steps']} steps)", flush=True)
-    from k3.rl.arith import ArithConfig
+    from k3.rl.data.arith import ArithConfig
 
     # Half the warm-up answers are bare (ungraded): the base partly follows the graded \boxed{} format and
     # GRPO has to learn it from the reward alone — a signal that reaches the held-out eval.

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import importlib.util
 import shutil
 import sys
 from collections.abc import Sequence
@@ -20,6 +19,7 @@ import typer
 from k3.launch.args import LaunchConfigError, ResolvedConfig, TrainArgs, resolve
 from k3.launch.parser import parse_train_args
 from k3.launch.resolved_config import JSON_NAME, print_args_table, read_resolved_config, write_resolved_config
+from k3.rollout.registry import engine_kind
 
 __all__ = ["train", "main", "check_inputs", "RESUME_MUST_MATCH"]
 
@@ -156,8 +156,5 @@ def check_inputs(resolved: ResolvedConfig) -> list[str]:
         problems.append(f"training data {data.prompt_data} not found: run {fetch}")
     if data.eval_prompt_data is not None and not Path(data.eval_prompt_data).is_file():
         problems.append(f"eval data {data.eval_prompt_data} not found (needed by --eval-interval): run {fetch}")
-    if a.rollout_engine == "sglang" and not (Path(a.sglang_path) / "sglang").is_dir():
-        if importlib.util.find_spec("sglang") is None:
-            problems.append(f"--sglang-path {a.sglang_path} has no sglang/ and sglang is not installed: install the "
-                            "`cluster` extra or pass --sglang-path DIR")
+    problems += engine_kind(a.rollout_engine).input_problems(a)
     return problems

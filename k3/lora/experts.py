@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import k3.kernels.expert_lora.function as lora_grouped
+from k3.kernels.expert_lora import function as expert_lora
 from k3.kernels.expert_lora.folded import SHARED_INPUT, SLOT_MULTIPLE, lora_down, lora_gate_up, slot_width
 from k3.kernels.grouped_mm import grouped_mm
 from k3.lora.linear import xavier_bound
@@ -49,7 +49,7 @@ EXPERT_FACTORS = ("w1_lora_A", "w1_lora_B", "w3_lora_A", "w3_lora_B", "w2_lora_A
 # [xa1 | x | xa3] buffer; w2aug = [w2 ; A2].
 _AUGMENTED = {"w1": (2, True), "w3": (2, False), "w2": (1, False)}
 
-LORA_IMPLS = lora_grouped.KERNEL_CHOICES  # how the plain path runs its rank-r grouped GEMMs
+LORA_IMPLS = expert_lora.KERNEL_CHOICES  # how the plain path runs its rank-r grouped GEMMs
 
 
 class LoRALatentExperts(LatentExperts):
@@ -155,7 +155,7 @@ class LoRALatentExperts(LatentExperts):
             _check_lora_impl(self.lora_impl, self.fused)
         if self.lora_impl == "auto" and self.fused:  # fused was asked for explicitly: auto defers to it
             return False
-        return lora_grouped.kernels_run(self.lora_impl, rows.device, self.dropout > 0 and self.training)
+        return expert_lora.kernels_run(self.lora_impl, rows.device, self.dropout > 0 and self.training)
 
     def factor_names(self) -> tuple[str, ...]:
         """The adapter factors this module holds, in chunk order."""
@@ -173,18 +173,18 @@ class LoRALatentExperts(LatentExperts):
         """``x [rows, Lt]`` sorted by expert (``counts[e]`` rows of expert e) -> ``[rows, Lt]``."""
         tiles = None
         if (self.fc1 or self.fc2) and not self.merged and self._use_triton(x):  # one row-tile schedule for both
-            tiles = lora_grouped.RowTiles(counts.to(x.device), x.shape[0])
+            tiles = expert_lora.RowTiles(counts.to(x.device), x.shape[0])
         return self.down(situ(*self.gate_up(x, counts, tiles), self.beta, self.linear_beta), counts, tiles)
 
     def gate_up(self, x: torch.Tensor, counts: torch.Tensor,
-                tiles: lora_grouped.RowTiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                tiles: expert_lora.RowTiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [rows, Lt]`` sorted by expert, ``counts [E]`` -> ``(gate [rows, F], up [rows, F])``; ``tiles``: the
         Triton path's row tiles, shared with ``down``."""
         if not self.fc1 or self.merged:
             return super().gate_up(x, counts)
         shared_A = torch.cat([self.w1_lora_A, self.w3_lora_A])  # [2r, Lt]: one GEMM for both projections
         if self._use_triton(x):  # first: it raises if fused was set too
-            return lora_grouped.lora_gate_up(x, shared_A, self.w1_lora_B, self.w3_lora_B, self.w1, self.w3, counts,
+            return expert_lora.lora_gate_up(x, shared_A, self.w1_lora_B, self.w3_lora_B, self.w1, self.w3, counts,
                                              self.scale, tiles)
         if self._use_fused():
             return lora_gate_up(x, shared_A, self.w1_lora_B, self.w3_lora_B, self._augmented("w1"),
@@ -197,12 +197,12 @@ class LoRALatentExperts(LatentExperts):
         up = up + grouped_mm(xa[:, r:], self.w3_lora_B, counts)
         return gate, up
 
-    def down(self, h: torch.Tensor, counts: torch.Tensor, tiles: lora_grouped.RowTiles | None = None) -> torch.Tensor:
+    def down(self, h: torch.Tensor, counts: torch.Tensor, tiles: expert_lora.RowTiles | None = None) -> torch.Tensor:
         """``h [rows, F]`` sorted by expert -> ``[rows, Lt]``; ``tiles`` as ``gate_up``'s."""
         if not self.fc2 or self.merged:
             return super().down(h, counts)
         if self._use_triton(h):
-            return lora_grouped.lora_down(h, self.w2_lora_A, self.w2_lora_B, self.w2, counts, self.scale, tiles)
+            return expert_lora.lora_down(h, self.w2_lora_A, self.w2_lora_B, self.w2, counts, self.scale, tiles)
         if self._use_fused():
             return lora_down(h, self.w2_lora_A, self.w2_lora_B, self._augmented("w2"), counts, self.scale)
         out = super().down(h, counts)
@@ -235,7 +235,7 @@ class LoRALatentExperts(LatentExperts):
 
 
 def _check_lora_impl(lora_impl: str, fused: bool) -> None:
-    lora_grouped.check_kernel_choice(lora_impl)
+    expert_lora.check_kernel_choice(lora_impl)
     if lora_impl == "triton" and fused:
         raise ValueError("lora_impl='triton' runs the plain path; it cannot be combined with fused=True "
                          "(use fused=False, or lora_impl='torch' with fused=True)")

@@ -38,7 +38,7 @@ from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from torch import nn
 
-import k3.kernels.expert_lora.function as lora_grouped
+from k3.kernels.expert_lora import function as expert_lora
 from k3.kernels.grouped_mm import grouped_mm
 from k3.lora.sharding import ParallelLayout, factor_rule, gather, grad_sum_group, local_shape, shard
 from k3.megatron.linears import ColumnParallel, DuplicatedLinear, GroupedExpertLinear, RowParallel, mark_grad_sum
@@ -178,13 +178,13 @@ class ExpertLoRA(LoRAAdapter):
 
     def __init__(self, kernel: str = "torch", **kw) -> None:
         super().__init__(**kw)
-        lora_grouped.check_kernel_choice(kernel, flag="expert_lora_kernel")
+        expert_lora.check_kernel_choice(kernel, flag="expert_lora_kernel")
         self.kernel = kernel
 
     def adds_into_base(self, x: torch.Tensor) -> bool:
         """Whether the base's forward goes through ``base_plus_delta`` for these rows; a ValueError where the
         Triton kernels were asked for and cannot run on ``x``'s device."""
-        return lora_grouped.kernels_run(self.kernel, x.device, self.dropout > 0 and self.training,
+        return expert_lora.kernels_run(self.kernel, x.device, self.dropout > 0 and self.training,
                                         flag="expert_lora_kernel")
 
     def extra_repr(self) -> str:
@@ -214,7 +214,7 @@ class ExpertFc1LoRA(ExpertLoRA):
 
     def base_plus_delta(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``grouped(x, weight) + forward(x, counts)`` on the Triton kernels; ``weight [E_local, 2F, Lt]``."""
-        return lora_grouped.lora_fc1(x, torch.cat([self.w1_lora_A, self.w3_lora_A]), self.w1_lora_B,
+        return expert_lora.lora_fc1(x, torch.cat([self.w1_lora_A, self.w3_lora_A]), self.w1_lora_B,
                                      self.w3_lora_B, weight, counts, self.scale)
 
 
@@ -237,7 +237,7 @@ class ExpertFc2LoRA(ExpertLoRA):
 
     def base_plus_delta(self, h: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``grouped(h, weight) + forward(h, counts)`` on the Triton kernels; ``weight [E_local, Lt, F]``."""
-        return lora_grouped.lora_down(h, self.w2_lora_A, self.w2_lora_B, weight, counts, self.scale)
+        return expert_lora.lora_down(h, self.w2_lora_A, self.w2_lora_B, weight, counts, self.scale)
 
 
 def _layers(model: nn.Module):
@@ -292,7 +292,7 @@ def apply_megatron_lora(model: nn.Module, lora: LoRAConfig, seed: int = 0,
         raise TypeError(f"apply_megatron_lora: lora is a {type(lora).__name__}, expected LoRAConfig")
     if any(isinstance(m, LoRAAdapter) for m in model.modules()):
         raise TypeError("apply_megatron_lora: the model already carries LoRA adapters")
-    lora_grouped.check_kernel_choice(expert_lora_kernel, flag="expert_lora_kernel")
+    expert_lora.check_kernel_choice(expert_lora_kernel, flag="expert_lora_kernel")
     sites = []
     for layer in _layers(model):
         cfg = layer.config.k3

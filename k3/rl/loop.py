@@ -1,75 +1,69 @@
 """The recipe's loop on one machine: rollout → reward → GRPO step → adapter sync → eval → adapter checkpoint.
 
 ``run(resolved)`` is what ``k3 train`` calls after resolving and validating the flags. The trainer and the
-rollout engines (``--rollout-engine embedded``: one ``EngineWorker``; ``sglang``: one ``k3.rl.sglang_worker``
-engine per ``rollout_num_gpus_per_engine`` GPUs) run as Ray actors in the placement-group bundles of the
-training ranks (colocated): the torch trainer is one rank, the megatron trainer one actor per training rank
-(``k3.rl.trainer_group``; the first rank on each engine's GPUs sends that engine its adapters); memory is
+rollout engines (started by the engine registered under ``--rollout-engine``: ``k3.rl.engines``,
+``k3.rollout.registry``) run as Ray actors in the placement-group bundles of the training ranks (colocated):
+the torch trainer is one rank, the megatron trainer one actor per training rank (``k3.rl.trainers.group``; the
+first rank on each engine's GPUs sends that engine its adapters); memory is
 handed between them in the order of ``--colocate-memory-peak-device`` (recipe §5.4, ``k3.rl.colocate``),
 every sync pauses generation on every engine and continues it only after every trainer rank returned, and
 every sync is bracketed by per-rank memory records that the harness checks. The run directory follows
-docs/RUN_DIRECTORY.md.
+docs/RUN_DIRECTORY.md (events: ``k3.rl.metrics``; adapter checkpoints and resume: ``k3.rl.resume``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import random
-import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from k3.kernels.expert_lora import availability as expert_lora_availability
 from k3.launch.args import ResolvedConfig
+from k3.launch.placement import RayPlacement
+from k3.megatron import backend as megatron_backend
 from k3.rl import colocate
+from k3.rl.data.chat import encode_prompt
+from k3.rl.data.order import prompts_for_rollout
+from k3.rl.data.records import load_prompts
+from k3.rl.engines import (BREAK_SYNC_ENV, check_engine_available, connect_engines, shutdown_engines,
+                           start_engines)
+from k3.rl.errors import TrainingError, last_line
 from k3.rl.grpo import GRPOConfig, group_advantages
-from k3.rl.errors import TrainingError
+from k3.rl.handles import LocalHandle, RayHandle, call_all, submit
 from k3.rl.metrics import MetricsWriter
-from k3.rl.policy import Trajectory
-from k3.rl.trainer_group import TrainerGroup, merge_rank_states, split_rank_states
-from k3.rl.workers import EngineWorker, TrainerWorker, WorkerSpec
+from k3.rl.resume import latest_checkpoint, load_checkpoint_state, load_optimizer_state, save_checkpoint
+from k3.rl.reward.reward import get_reward_fn
+from k3.rl.trainer_worker import TrainerWorker
+from k3.rl.trainers.group import TrainerGroup, is_trainer_group
+from k3.rl.trainers.trajectory import Trajectory
+from k3.rollout.protocol import GenerateRequest, SamplingParams
+from k3.rollout.registry import engine_kind
+from k3.settings.worker import WorkerSpec
+from k3.tokenizer import load_tokenizer
 
-STATE_NAME = "trainer_state.pt"
-
-
-# ------------------------------------------------------------------------------------------------ data order
-def prompts_for_rollout(n_records: int, rollout_id: int, batch_size: int, seed: int, shuffle: bool) -> list[int]:
-    """Record indices of rollout ``rollout_id``: epochs of a seeded permutation, so a resumed run continues
-    with exactly the prompts an uninterrupted one would have used."""
-    out: list[int] = []
-    start = rollout_id * batch_size
-    for pos in range(start, start + batch_size):
-        epoch, i = divmod(pos, n_records)
-        order = list(range(n_records))
-        if shuffle:
-            random.Random(seed * 1_000_003 + epoch).shuffle(order)
-        out.append(order[i])
-    return out
+__all__ = ["Loop", "TrainingError", "run", "worker_spec"]
 
 
 # ------------------------------------------------------------------------------------------------ the loop
 class Loop:
     """One run. ``trainer`` and each engine are handles with a ``call(method, *args)`` facade (Ray or in-process);
     ``engines`` is one handle or a list of them (one per rollout engine). ``trainer`` may be a
-    ``k3.rl.trainer_group.TrainerGroup`` (one actor per training rank): its ``call`` runs the method on every rank
+    ``k3.rl.trainers.group.TrainerGroup`` (one actor per training rank): its ``call`` runs the method on every rank
     and returns the results in rank order; rank 0's log-probs and metrics are the run's."""
 
     def __init__(self, resolved: ResolvedConfig, trainer: Any, engines: Any, writer: MetricsWriter) -> None:
-        from k3.rl.data import load_prompts
-        from k3.rl.reward import get_reward_fn
-        from k3.tokenizer import load_tokenizer
-
         self.r = resolved
         self.a = resolved.args
         self.engines = list(engines) if isinstance(engines, (list, tuple)) else [engines]
         if not self.engines:
             raise TrainingError("the loop needs at least one rollout engine")
         self.trainer, self.engine, self.w = trainer, self.engines[0], writer
-        self._group = _is_group(trainer)
+        self._group = is_trainer_group(trainer)
+        self.engine_kind = engine_kind(self.a.rollout_engine)
         self._trainer_asleep = False  # for trainers with sleep()/wake_up() (colocate.py's optional steps)
         self.tokenizer = load_tokenizer(self.a.hf_checkpoint)
         self.train_records = load_prompts(resolved.data.prompt_data)
@@ -80,13 +74,9 @@ class Loop:
 
     # -- pieces
     def _encode(self, rec: dict) -> list[int]:
-        from k3.rl.chat import encode_prompt
-
         return encode_prompt(self.tokenizer, rec["prompt"])
 
-    def _sampling(self, eval_: bool, seed: int):
-        from k3.rollout.protocol import SamplingParams
-
+    def _sampling(self, eval_: bool, seed: int) -> SamplingParams:
         ro = self.r.rollout
         if eval_:
             return SamplingParams(temperature=ro.eval_temperature, top_p=1.0,
@@ -110,7 +100,7 @@ class Loop:
             outs = _rank_results(self.trainer.call("update_weights", version))
         except Exception as e:  # Ray wraps the trainer's HandoffError; its text carries the cause
             raise TrainingError(
-                f"adapter sync of version {version} failed ({type(e).__name__}: {_last_line(e)}); the engine "
+                f"adapter sync of version {version} failed ({type(e).__name__}: {last_line(e)}); the engine "
                 f"keeps serving version {self.version}. Restart with --resume to continue from the last adapter "
                 "checkpoint"
             ) from e
@@ -148,8 +138,6 @@ class Loop:
         return out
 
     def evaluate(self, rollout_id: int) -> dict[str, Any]:
-        from k3.rollout.protocol import GenerateRequest
-
         t0 = time.perf_counter()
         reqs = [GenerateRequest(self._encode(r), {"label": r["label"]}) for r in self.eval_records]
         samples = self._generate(reqs, self._sampling(True, self.a.seed))
@@ -170,8 +158,6 @@ class Loop:
         return rec
 
     def rollout_and_train(self, rollout_id: int) -> dict[str, Any]:
-        from k3.rollout.protocol import GenerateRequest
-
         a, ro = self.a, self.r.rollout
         t_cycle = time.perf_counter()
         idx = prompts_for_rollout(len(self.train_records), rollout_id, a.rollout_batch_size, a.seed,
@@ -243,8 +229,8 @@ class Loop:
         """The startup sync (adapter version 1) in the recipe's startup order. An engine that took its memory at
         start (SGLang: KV cache, CUDA graphs) gave it up before the trainer was created (:func:`start_engines`);
         here the trainer goes to sleep, the engine weights come back (``cpu`` peak), the adapters go out, and the
-        KV cache comes back. The embedded engine allocates per call: for it this is the sync alone."""
-        if not _engine_holds_memory_at_start(self.a):
+        KV cache comes back. An engine that allocates per call (the embedded one) needs the sync alone."""
+        if not self.engine_kind.holds_memory_at_start:
             return self.sync(None)
         self._run_steps(colocate.before_first_sync_steps(self._peak, self._levels))
         out = self.sync(None)
@@ -261,7 +247,7 @@ class Loop:
         return list(self.a.offload_rollout_level)
 
     def _on_engines(self, method: str, *args: Any) -> list[Any]:
-        return _call_all(self.engines, method, *args)
+        return call_all(self.engines, method, *args)
 
     def _rank0(self, out: Any) -> Any:
         """Rank 0's result of a trainer call (the whole result of a one-rank trainer)."""
@@ -295,190 +281,13 @@ class Loop:
             lo, hi = bounds[k], bounds[k + 1]
             if lo < hi:
                 shard = sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + lo)
-                pending.append(_submit(engine, "generate", reqs[lo:hi], shard))
+                pending.append(submit(engine, "generate", reqs[lo:hi], shard))
         return [sample for wait in pending for sample in wait()]
 
     # -- checkpoints
     def save(self, rollout_id: int) -> Path:
-        """Adapter (PEFT files) + optimizer state + loop state, atomically: a temp dir renamed into place."""
-        root = Path(self.r.run_dir) / "adapters"
-        root.mkdir(parents=True, exist_ok=True)
-        final = root / f"rollout_{rollout_id:06d}"
-        tmp = root / f".tmp-rollout_{rollout_id:06d}-{os.getpid()}"
-        remove_stale_temp_dirs(root)
-        shutil.rmtree(tmp, ignore_errors=True)
-        self.trainer.call("save_adapter", str(tmp))  # collective under megatron; rank 0 writes the files
-        state = {"rollout_id": rollout_id, "version": self.version, **optimizer_state(self.trainer)}
-        torch.save(state, tmp / STATE_NAME)
-        _fsync_dir(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-        (root / "latest").write_text(final.name + "\n")
-        return final
-
-
-def _last_line(e: BaseException) -> str:
-    lines = [line for line in str(e).splitlines() if line.strip()]
-    return lines[-1].strip() if lines else ""
-
-
-def remove_stale_temp_dirs(adapters_dir: str | Path) -> list[Path]:
-    """Remove the ``.tmp-rollout_*-<pid>`` folders of saves whose process is gone (a killed ``k3 train``);
-    a folder of a live process is kept (it may be mid-save). Returns what was removed."""
-    removed = []
-    root = Path(adapters_dir)
-    for tmp in root.glob(".tmp-rollout_*-*") if root.is_dir() else []:
-        pid = tmp.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and int(pid) != os.getpid() and _pid_alive(int(pid)):
-            continue
-        shutil.rmtree(tmp, ignore_errors=True)
-        removed.append(tmp)
-    return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True
-
-
-def _fsync_dir(path: Path) -> None:
-    for p in [*path.iterdir(), path] if path.is_dir() else [path]:
-        try:
-            fd = os.open(p, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def load_checkpoint_state(checkpoint: str | Path) -> dict[str, Any]:
-    """Check that every file of an adapter checkpoint loads, and return its ``trainer_state.pt``.
-
-    Checked before anything is loaded into the trainer, so a damaged checkpoint fails ``--resume`` up front:
-    ``adapter_config.json`` must be JSON, ``adapter_model.safetensors`` must have a valid header whose tensors
-    fit in the file (a truncated write fails here), and ``trainer_state.pt`` must unpickle to a dict with
-    ``rollout_id``. Raises ``TrainingError`` naming the file.
-    """
-    from safetensors import safe_open
-
-    from k3.lora.export import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME
-
-    checkpoint = Path(checkpoint)
-    hint = "; resume from an earlier checkpoint by removing this one, or start a fresh --run-dir"
-    config, weights, state_path = (checkpoint / ADAPTER_CONFIG_NAME, checkpoint / ADAPTER_WEIGHTS_NAME,
-                                   checkpoint / STATE_NAME)
-    for path in (config, weights, state_path):
-        if not path.is_file():
-            raise TrainingError(f"checkpoint {checkpoint}: {path.name} is missing{hint}")
-    try:
-        json.loads(config.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TrainingError(f"checkpoint file {config} is corrupted (not JSON: {e}){hint}") from e
-    try:
-        with safe_open(str(weights), framework="pt") as f:
-            if not list(f.keys()):
-                raise ValueError("it holds no tensors")
-    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for every kind of damage
-        raise TrainingError(f"checkpoint file {weights} is corrupted ({type(e).__name__}: {e}){hint}") from e
-    try:
-        state = torch.load(state_path, weights_only=False, map_location="cpu")
-    except Exception as e:  # noqa: BLE001 - torch.load fails with pickle, zip and runtime errors alike
-        raise TrainingError(f"checkpoint file {state_path} is corrupted ({type(e).__name__}: {e}){hint}") from e
-    if not isinstance(state, dict) or "rollout_id" not in state:
-        raise TrainingError(f"checkpoint file {state_path} is corrupted (no rollout_id in it){hint}")
-    return state
-
-
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The newest complete adapter checkpoint of a run (temp folders of an interrupted save are ignored)."""
-    root = Path(run_dir) / "adapters"
-    done = sorted(p for p in root.glob("rollout_*") if (p / STATE_NAME).exists()) if root.is_dir() else []
-    return done[-1] if done else None
-
-
-# ------------------------------------------------------------------------------------------------ actors
-class _Local:
-    """In-process handle with the same ``call`` facade as a Ray actor handle."""
-
-    def __init__(self, obj: Any) -> None:
-        self.obj = obj
-
-    def call(self, method: str, *args: Any) -> Any:
-        return getattr(self.obj, method)(*args)
-
-    def has(self, method: str) -> bool:
-        return callable(getattr(self.obj, method, None))
-
-
-class _Remote:
-    def __init__(self, actor: Any) -> None:
-        self.actor = actor
-
-    def call(self, method: str, *args: Any) -> Any:
-        import ray
-
-        return ray.get(getattr(self.actor, method).remote(*args))
-
-    def has(self, method: str) -> bool:
-        return hasattr(self.actor, method)
-
-    def submit(self, method: str, *args: Any):
-        """Start ``method`` now; returns a function that waits for its result."""
-        import ray
-
-        ref = getattr(self.actor, method).remote(*args)
-        return lambda: ray.get(ref)
-
-
-def _submit(handle: Any, method: str, *args: Any):
-    """Start ``method`` on ``handle`` (at once on a Ray actor); returns a function that waits for the result.
-    A handle without ``submit`` (in-process) runs it here and now."""
-    submit = getattr(handle, "submit", None)
-    if submit is not None:
-        return submit(method, *args)
-    value = handle.call(method, *args)
-    return lambda: value
-
-
-def _call_all(handles: list[Any], method: str, *args: Any) -> list[Any]:
-    """``method`` on every handle, all started before any is waited for; results in handle order."""
-    pending = [_submit(h, method, *args) for h in handles]
-    return [wait() for wait in pending]
-
-
-def _is_group(trainer: Any) -> bool:
-    """A trainer group (one handle over several ranks, ``call`` returns a list per rank)."""
-    return hasattr(trainer, "call_each") and hasattr(trainer, "world_size")
-
-
-def optimizer_state(trainer: Any) -> dict[str, Any]:
-    """The trainer's optimizer state for a checkpoint: a group's ranks merged (``merge_rank_states``)."""
-    if not _is_group(trainer):
-        return trainer.call("optimizer_state")
-    return merge_rank_states(trainer.call("optimizer_state"))
-
-
-def load_optimizer_state(trainer: Any, state: dict[str, Any]) -> None:
-    """Give every rank its own part of a checkpoint's optimizer state (``split_rank_states``); a checkpoint of
-    another rank count raises ``TrainingError``."""
-    group = _is_group(trainer)
-    try:
-        states = split_rank_states(state, trainer.world_size if group else 1)
-    except ValueError as e:
-        raise TrainingError(f"--resume: {e}") from None
-    if group:
-        trainer.call_each([("load_optimizer_state", (s,)) for s in states])
-    else:
-        trainer.call("load_optimizer_state", states[0])
+        """Adapter (PEFT files) + optimizer state + loop state, atomically (``k3.rl.resume.save_checkpoint``)."""
+        return save_checkpoint(self.r.run_dir, self.trainer, rollout_id, self.version)
 
 
 def _rank_results(out: Any) -> list[dict[str, Any]]:
@@ -489,87 +298,15 @@ def _rank_results(out: Any) -> list[dict[str, Any]]:
     return outs
 
 
-def _engine_holds_memory_at_start(a: Any) -> bool:
-    """SGLang takes its KV cache and CUDA graphs when it starts; the embedded engine allocates per call."""
-    return a.rollout_engine == "sglang"
-
-
-def start_engines(resolved: ResolvedConfig, spec: WorkerSpec, placement: Any | None,
-                  sabotage_sync: bool = False) -> list[Any]:
-    """The run's rollout engines as handles (in-process when ``placement`` is None, else Ray actors), started.
-
-    SGLang engines then give up memory at once (recipe §5.4 startup: the trainer is created after them, into
-    that room): ``cpu`` peak everything of ``--offload-rollout-level``, ``gpu`` peak the KV cache and graphs."""
-    a = resolved.args
-    if a.rollout_engine == "embedded":
-        args = (spec, a.rollout_max_concurrency, a.lora_base_cpu_backup, sabotage_sync)
-        if placement is None:
-            return [_Local(EngineWorker(*args))]
-        import ray
-
-        return [_Remote(placement.create_actor(ray.remote(EngineWorker), 0, "engine", *args))]
-    from k3.rl import sglang_worker
-
-    if sabotage_sync:
-        raise TrainingError("the broken-sync test hook (K3_TEST_BREAK_ADAPTER_SYNC) is the embedded engine's")
-    if placement is None:
-        engines = [_Local(sglang_worker.start_local_engine(resolved, spec))]
-    else:
-        engines = [_Remote(h) for h in sglang_worker.launch_engines(resolved, placement, spec)]
-    for step in colocate.startup_steps(a.colocate_memory_peak_device, a.offload_rollout_level):
-        _call_all(engines, step.method, list(step.tags))
-    return engines
-
-
-def feeding_ranks(num_engines: int, ranks_per_engine: int, world_size: int) -> list[int]:
-    """The trainer rank that sends engine ``k`` its adapters: the first rank on the engine's GPUs (recipe §4.5),
-    ``k · ranks_per_engine``; raises ``TrainingError`` when the training ranks do not reach every engine."""
-    if num_engines < 1 or ranks_per_engine < 1:
-        raise TrainingError(f"{num_engines} engines of {ranks_per_engine} ranks each: both must be >= 1")
-    feeders = [k * ranks_per_engine for k in range(num_engines)]
-    if feeders[-1] >= world_size:
-        raise TrainingError(f"{num_engines} rollout engines of {ranks_per_engine} GPUs each need "
-                            f"{feeders[-1] + 1} trainer ranks to feed them; the trainer has {world_size}")
-    return feeders
-
-
-def connect_engines(trainer: Any, engines: list[Any], ranks_per_engine: int = 1) -> None:
-    """Open each engine's adapter socket and connect the trainer rank that feeds it (recipe §4.5: the first
-    rank on the engine's GPUs, :func:`feeding_ranks`); under a trainer group every other rank exports without
-    sending (``TrainerWorker.export_only``: the export is collective). A one-rank trainer feeds one engine."""
-    if not _is_group(trainer):
-        if len(engines) != 1:
-            raise TrainingError(f"{len(engines)} rollout engines need one adapter sender each (the first trainer "
-                                "rank on each engine's GPUs); this trainer is one rank, which feeds one engine")
-        trainer.call("connect", *engines[0].call("listen"))
-        return
-    feeders = feeding_ranks(len(engines), ranks_per_engine, trainer.world_size)
-    addresses = dict(zip(feeders, _call_all(engines, "listen")))
-    trainer.call_each([("connect", tuple(addresses[r])) if r in addresses else ("export_only", ())
-                       for r in range(trainer.world_size)])
-
-
-def _require_sglang(a: Any, in_process: bool) -> None:
-    from k3.rollout.sglang import SGLangUnavailableError, require_sglang
-
-    try:
-        # Under Ray only the workers import SGLang's engine; here it is enough that the package is found.
-        require_sglang(a.sglang_path, import_engine=in_process)
-    except SGLangUnavailableError as e:
-        raise TrainingError(str(e)) from None
-
-
 def _require_expert_lora_kernel(kernel: str, device: str) -> None:
     """Stop at once where ``--expert-lora-kernel triton`` cannot run on the trainer's device (it would fail at the
     first training step, after the warm-up and the first rollout)."""
     if kernel in ("torch", "auto"):  # auto falls back to torch where the kernels cannot run
         return
-    from k3.kernels.expert_lora import availability as lora_grouped
-
-    if not lora_grouped.triton_available():
+    if not expert_lora_availability.triton_available():
         raise TrainingError("--expert-lora-kernel triton needs Triton (on a CUDA machine: pip install triton); "
                             "use --expert-lora-kernel torch")
-    if not lora_grouped.triton_runs_on(device):
+    if not expert_lora_availability.triton_runs_on(device):
         raise TrainingError(f"--expert-lora-kernel triton: the Triton kernels run on a CUDA device and this run "
                             f"trains on {device}; use --expert-lora-kernel torch")
 
@@ -602,12 +339,11 @@ def _wandb_run(r: ResolvedConfig):
 def run(resolved: ResolvedConfig, *, in_process: bool | None = None, sabotage_sync: bool = False) -> int:
     """Run the loop; returns 0. ``in_process`` skips Ray (tests; default from ``K3_IN_PROCESS``)."""
     a = resolved.args
+    engine = engine_kind(a.rollout_engine)
     if a.backend == "megatron":
-        from k3.megatron.backend import MegatronBackendUnavailable, require_cuda
-
         try:
-            require_cuda()
-        except MegatronBackendUnavailable as e:  # `k3 train` reports a TrainingError as one line, exit 1
+            megatron_backend.require_cuda()  # looked up at call time: tests stand in a CPU guard
+        except megatron_backend.MegatronBackendUnavailable as e:  # `k3 train` reports a TrainingError in one line
             raise TrainingError(str(e)) from None
     spec = worker_spec(resolved)
     _require_expert_lora_kernel(a.expert_lora_kernel, spec.device)
@@ -617,22 +353,20 @@ def run(resolved: ResolvedConfig, *, in_process: bool | None = None, sabotage_sy
     if in_process is None:
         in_process = os.environ.get("K3_IN_PROCESS") == "1"
     if in_process and resolved.layout.world_size > 1:
-        # One process holds one rank; the ranks of a megatron layout are Ray actors (k3.rl.trainer_group).
+        # One process holds one rank; the ranks of a megatron layout are Ray actors (k3.rl.trainers.group).
         raise TrainingError(f"an in-process run (K3_IN_PROCESS=1) trains on one rank, but this layout has "
                             f"{resolved.layout.world_size} training ranks: run under Ray (unset K3_IN_PROCESS)")
-    if a.rollout_engine == "sglang":
-        _require_sglang(a, in_process)  # stops at once, before Ray or any model is started
+    check_engine_available(a, in_process)  # stops at once, before Ray or any model is started
     # Test hook: an engine that acks every chunk but never activates (keeps serving version 0).
-    sabotage_sync = sabotage_sync or os.environ.get("K3_TEST_BREAK_ADAPTER_SYNC") == "1"
+    sabotage_sync = sabotage_sync or os.environ.get(BREAK_SYNC_ENV) == "1"
     if a.backend == "megatron":
-        from dataclasses import replace
-
         lay = resolved.layout
-        spec = replace(spec, backend="megatron", ref_load=a.ref_load,
-                       parallel=(lay.tensor_model_parallel_size, lay.expert_model_parallel_size,
-                                 lay.pipeline_model_parallel_size, lay.context_parallel_size),
-                       # set only under an uneven split: first = ceil(L / PP), last = L - first·(PP - 1)
-                       stage_layers=(lay.decoder_first_pipeline_num_layers, lay.decoder_last_pipeline_num_layers))
+        spec = dataclasses.replace(
+            spec, backend="megatron", ref_load=a.ref_load,
+            parallel=(lay.tensor_model_parallel_size, lay.expert_model_parallel_size,
+                      lay.pipeline_model_parallel_size, lay.context_parallel_size),
+            # set only under an uneven split: first = ceil(L / PP), last = L - first·(PP - 1)
+            stage_layers=(lay.decoder_first_pipeline_num_layers, lay.decoder_last_pipeline_num_layers))
     grpo = _grpo_config(resolved)
     max_tokens = resolved.args.max_tokens_per_gpu or 8192
     writer = MetricsWriter(resolved.run_dir, wandb_run=_wandb_run(resolved) if a.enable_wandb else None)
@@ -646,19 +380,17 @@ def run(resolved: ResolvedConfig, *, in_process: bool | None = None, sabotage_sy
         # trainer loads (start_engines).
         if in_process:
             engines = start_engines(resolved, spec, None, sabotage_sync)
-            trainer = _Local(TrainerWorker(spec, grpo, max_tokens))
+            trainer = LocalHandle(TrainerWorker(spec, grpo, max_tokens))
         else:
             import ray
-
-            from k3.launch.placement import RayPlacement
 
             placement = RayPlacement.start(resolved)
             engines = start_engines(resolved, spec, placement, sabotage_sync)
             if a.backend == "megatron":  # one actor per training rank, joined in one process group
                 trainer = TrainerGroup.start(placement, resolved.layout.world_size, spec, grpo, max_tokens)
             else:
-                trainer = _Remote(placement.create_actor(ray.remote(TrainerWorker), 0, "trainer", spec, grpo,
-                                                         max_tokens))
+                trainer = RayHandle(placement.create_actor(ray.remote(TrainerWorker), 0, "trainer", spec, grpo,
+                                                           max_tokens))
         connect_engines(trainer, engines, resolved.layout.rollout_tp_size)
         loop = Loop(resolved, trainer, engines, writer)
         start = 0
@@ -695,8 +427,8 @@ def run(resolved: ResolvedConfig, *, in_process: bool | None = None, sabotage_sy
                 # process after a finished run (seen on the H200: "terminate called without an active
                 # exception", exit 134).
                 _close_trainer(trainer)
-            if a.rollout_engine == "sglang" or in_process:
-                _shutdown_engines(engines)  # SGLang's processes go with their engine, not with its Ray actor
+            if engine.shutdown_with_run or in_process:
+                shutdown_engines(engines)  # e.g. SGLang's processes go with their engine, not with its Ray actor
             if placement is not None:
                 placement.shutdown()
         finally:
@@ -707,17 +439,4 @@ def _close_trainer(trainer: Any) -> None:
     try:
         trainer.call("close")
     except Exception as e:  # noqa: BLE001 - the run's own result (or error) matters more than its teardown
-        print(f"WARNING closing the trainer failed: {type(e).__name__}: {_last_line(e)}", flush=True)
-
-
-def _shutdown_engines(engines: list[Any]) -> None:
-    for engine in engines:
-        try:
-            engine.call("shutdown")
-        except Exception as e:  # noqa: BLE001 - a dead engine is already down; the run's own error matters more
-            print(f"WARNING shutting a rollout engine down failed: {type(e).__name__}: {_last_line(e)}", flush=True)
-
-
-__all__ = ["Loop", "TrainingError", "connect_engines", "feeding_ranks", "latest_checkpoint", "load_checkpoint_state",
-           "load_optimizer_state", "optimizer_state", "prompts_for_rollout", "remove_stale_temp_dirs", "run",
-           "start_engines"]
+        print(f"WARNING closing the trainer failed: {type(e).__name__}: {last_line(e)}", flush=True)

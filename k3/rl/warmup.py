@@ -15,7 +15,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from k3.model import KimiK3ForCausalLM
 from k3.rl.grpo import token_log_probs
+from k3.tokenizer import load_tokenizer
 
 
 def warmup_key(base_dir: str | Path, **settings: object) -> str:
@@ -47,9 +49,6 @@ def supervised_warmup(
     vocabulary (keeps the policy's entropy above zero, so RL still has samples to compare). Stops after ``steps`` or ``time_budget_s`` seconds. Returns
     ``{"steps", "loss_first", "loss_last", "seconds"}``.
     """
-    from k3.model import KimiK3ForCausalLM
-    from k3.tokenizer import load_tokenizer
-
     torch.manual_seed(seed)
     tok = load_tokenizer(base_dir)
     model = KimiK3ForCausalLM.from_pretrained(base_dir, dtype=torch.float32)

@@ -1,9 +1,9 @@
 """The rollout-engine protocol suite (DESIGN.md, Contracts), run on every engine that can run here.
 
 * ``embedded``: the reference engine on a tiny random K3 on CPU — always runs, so the suite itself is tested.
-* ``sglang``: ``k3.rollout.sglang.SGLangEngine`` — needs sglang importable with CUDA and ``K3_SGLANG_CHECKPOINT``
-  (a BF16 K3 HF checkpoint SGLang can serve, e.g. the 4layer one; ``K3_SGLANG_TP`` GPUs, default all visible up
-  to 8). Skipped with the reason otherwise.
+* ``sglang``: ``k3.rollout.sglang.engine.SGLangEngine`` — needs sglang importable with CUDA and
+  ``K3_SGLANG_CHECKPOINT`` (a BF16 K3 HF checkpoint SGLang can serve, e.g. the 4layer one; ``K3_SGLANG_TP`` GPUs,
+  default all visible up to 8). Skipped with the reason otherwise.
 * ``fake-sglang``: the same ``SGLangEngine`` and its real SGLang binding, on the test-only ``sglang`` of
   ``tests/fake_sglang`` (SGLang's signatures, the tiny K3 behind them) — always runs on CPU, so the binding
   passes the suite before it meets a GPU.
@@ -68,7 +68,7 @@ def _chunks_for(cfg: K3Config, lora: LoRAConfig) -> Callable[[int, float], list[
 def _embedded() -> Rig:
     from k3.lora import apply_lora
     from k3.model import KimiK3ForCausalLM
-    from k3.rollout.embedded import EmbeddedEngine
+    from k3.rollout.embedded.engine import EmbeddedEngine
     from k3.tokenizer import ByteTokenizer
 
     torch.manual_seed(0)
@@ -83,7 +83,8 @@ def _fake_sglang(tmp: Path) -> Rig:
     import sys
 
     from k3.model import KimiK3ForCausalLM
-    from k3.rollout.sglang import SGLangEngine, build_server_args
+    from k3.rollout.sglang.engine import SGLangEngine
+    from k3.rollout.sglang.server_args import build_server_args
     from k3.tokenizer import ByteTokenizer
 
     if importlib.util.find_spec("sglang") is not None:
@@ -118,7 +119,8 @@ def _sglang() -> Rig:
     ckpt = os.environ.get("K3_SGLANG_CHECKPOINT")
     if not ckpt or not (Path(ckpt) / "config.json").is_file():
         pytest.skip("set K3_SGLANG_CHECKPOINT to a BF16 K3 HF checkpoint SGLang can serve (e.g. the 4layer one)")
-    from k3.rollout.sglang import SGLangEngine, build_server_args
+    from k3.rollout.sglang.engine import SGLangEngine
+    from k3.rollout.sglang.server_args import build_server_args
     from k3.tokenizer import load_tokenizer
 
     cfg = K3Config.from_json(Path(ckpt) / "config.json")

@@ -1,4 +1,4 @@
-"""``k3 train --backend megatron`` on two training ranks: the trainer group of ``k3.rl.trainer_group`` (one Ray
+"""``k3 train --backend megatron`` on two training ranks: the trainer group of ``k3.rl.trainers.group`` (one Ray
 actor per rank, torchrun-style env, gloo) driven by the loop, against the one-rank run of the same flags and seed.
 
 One driver process (this file as a script, via ``megatron_compat.run_workers``) does everything, so Ray starts
@@ -73,9 +73,9 @@ def _trainer_compat_hook() -> None:
     """Ray ``worker_process_setup_hook``: a process that builds a megatron ``TrainerWorker`` installs the CPU
     compatibility module first (the engine's process never builds one, so it runs plain torch). While the file
     ``$K3_TEST_KILL_FILE`` exists, trainer rank 1 exits in ``update_weights(KILL_VERSION)`` (the fault run)."""
-    import k3.rl.workers as workers
+    from k3.rl.trainer_worker import TrainerWorker
 
-    init, update = workers.TrainerWorker.__init__, workers.TrainerWorker.update_weights
+    init, update = TrainerWorker.__init__, TrainerWorker.update_weights
 
     def patched_init(self, spec, *args, **kwargs):
         if spec.backend == "megatron":
@@ -89,8 +89,8 @@ def _trainer_compat_hook() -> None:
             os._exit(7)  # rank 0 is then inside the export's collectives, waiting for this rank
         return update(self, version)
 
-    workers.TrainerWorker.__init__ = patched_init
-    workers.TrainerWorker.update_weights = patched_update
+    TrainerWorker.__init__ = patched_init
+    TrainerWorker.update_weights = patched_update
 
 
 class _StandIn:
@@ -115,7 +115,7 @@ class _StandIn:
 def _group_checks() -> dict:
     import ray
 
-    from k3.rl.trainer_group import TrainerGroup, TrainerRankError
+    from k3.rl.trainers.group import TrainerGroup, TrainerRankError
 
     actor = ray.remote(_StandIn).options(num_cpus=0.05)
     out: dict = {}
@@ -154,7 +154,7 @@ def _driver(root: Path) -> dict:
     import k3.megatron.backend
     from k3.launch.train import main as train_main
     from k3.megatron.parallel import destroy_parallel
-    from k3.rl.arith import write_arith_dataset
+    from k3.rl.data.arith import write_arith_dataset
 
     k3.megatron.backend.require_cuda = lambda: None  # the CPU path under the compatibility module
     base = write_tiny_checkpoint(root)
@@ -415,7 +415,7 @@ class _FakeEngine:
 
 def test_connect_engines_feeds_each_engine_from_its_first_rank():
     """Recipe §4.5: engine k of TP t is fed by rank k·t; every other rank exports without sending."""
-    from k3.rl.loop import connect_engines
+    from k3.rl.engines import connect_engines
 
     group = _FakeGroup(4)
     connect_engines(group, [_FakeEngine(0), _FakeEngine(1)], ranks_per_engine=2)
@@ -427,7 +427,8 @@ def test_connect_engines_feeds_each_engine_from_its_first_rank():
 
 
 def test_feeding_ranks_and_bad_engine_counts():
-    from k3.rl.loop import TrainingError, feeding_ranks
+    from k3.rl.engines import feeding_ranks
+    from k3.rl.errors import TrainingError
 
     assert feeding_ranks(4, 16, 64) == [0, 16, 32, 48]  # the full recipe: 4 engines of TP16 on 64 ranks
     assert feeding_ranks(1, 8, 8) == [0]
@@ -439,14 +440,14 @@ def test_feeding_ranks_and_bad_engine_counts():
 
 
 def test_local_ranks_count_per_node():
-    from k3.rl.trainer_group import local_ranks
+    from k3.rl.trainers.group import local_ranks
 
     assert local_ranks(["a", "a", "b", "a", "b"]) == [0, 1, 0, 2, 1]
     assert local_ranks([]) == []
 
 
 def test_optimizer_states_merge_and_split_per_rank():
-    from k3.rl.trainer_group import merge_rank_states, split_rank_states
+    from k3.rl.trainers.group import merge_rank_states, split_rank_states
 
     s0 = {"backend": "megatron", "parallel": [2, 2, 1, 1], "dp": 1, "steps": 3, "optimizer": {"r": 0}}
     s1 = {**s0, "optimizer": {"r": 1}}
@@ -463,7 +464,7 @@ def test_optimizer_states_merge_and_split_per_rank():
 
 
 def test_group_and_rank_reject_bad_arguments():
-    from k3.rl.trainer_group import TrainerGroup, TrainerRank
+    from k3.rl.trainers.group import TrainerGroup, TrainerRank
 
     with pytest.raises(ValueError, match="rank 2: expected 0 <= rank < world_size=2"):
         TrainerRank(2, 2)
@@ -474,7 +475,7 @@ def test_group_and_rank_reject_bad_arguments():
 
 
 def test_export_only_is_the_megatron_backends():
-    from k3.rl.workers import TrainerWorker
+    from k3.rl.trainer_worker import TrainerWorker
 
     worker = TrainerWorker.__new__(TrainerWorker)  # the check comes before anything is built
     worker._megatron = False

@@ -1,4 +1,4 @@
-"""The megatron policy (``k3.rl.megatron_policy``) against the torch ``PolicyTrainer`` on CPU (gloo, one process,
+"""The megatron policy (``k3.rl.trainers.megatron``) against the torch ``PolicyTrainer`` on CPU (gloo, one process,
 tests/megatron_compat.py), and the RL loop driving it.
 
 Worker ``policy`` (this file as a script): the tiny K3 saved as a BF16-layout HF checkpoint; a megatron policy
@@ -58,8 +58,9 @@ def _policy_worker(root: Path) -> dict:
     from k3.megatron.lora import gather_lora, load_lora
     from k3.model import KimiK3ForCausalLM
     from k3.rl.grpo import GRPOConfig
-    from k3.rl.megatron_policy import build_megatron_policy
-    from k3.rl.policy import PolicyTrainer, Trajectory
+    from k3.rl.trainers.megatron import build_megatron_policy
+    from k3.rl.trainers.torch import PolicyTrainer
+    from k3.rl.trainers.trajectory import Trajectory
 
     base = write_tiny_checkpoint(root)
     lora = LoRAConfig(rank=RANK, alpha=ALPHA)
@@ -188,7 +189,7 @@ def _layouts_worker(root: Path) -> dict:
 
     from k3.lora import LoRAConfig
     from k3.rl.grpo import GRPOConfig
-    from k3.rl.megatron_policy import build_megatron_policy
+    from k3.rl.trainers.megatron import build_megatron_policy
 
     one_rank = torch.load(root / "result.pt", weights_only=False)
     lora = LoRAConfig(rank=RANK, alpha=ALPHA)
@@ -222,7 +223,7 @@ def _loop_worker(root: Path) -> dict:
     from k3.launch.resolved_config import write_resolved_config
     from k3.megatron.convert import convert_hf_to_dist
     from k3.rl import loop
-    from k3.rl.arith import write_arith_dataset
+    from k3.rl.data.arith import write_arith_dataset
 
     k3.megatron.backend.require_cuda = lambda: None  # the CPU path under the compatibility module
     base = write_tiny_checkpoint(root)
@@ -485,7 +486,7 @@ def test_loop_resumes_from_the_megatron_checkpoint(loop_result):
 # ---------------------------------------------------------------------------------------------- the guards
 def test_k3_train_backend_megatron_without_cuda_stops_at_once_naming_backend_torch(tmp_path, monkeypatch, capsys):
     from k3.launch.train import main as train_main
-    from k3.rl.arith import write_arith_dataset
+    from k3.rl.data.arith import write_arith_dataset
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     base = tmp_path / "base"
@@ -504,7 +505,7 @@ def test_k3_train_backend_megatron_without_cuda_stops_at_once_naming_backend_tor
 
 
 def test_in_process_megatron_loop_refuses_several_training_ranks(monkeypatch):
-    """Several ranks run as Ray actors (k3.rl.trainer_group, tests/parity/test_loop_megatron_multirank.py); one
+    """Several ranks run as Ray actors (k3.rl.trainers.group, tests/parity/test_loop_megatron_multirank.py); one
     process holds one rank, so an in-process run of a multi-rank layout stops before anything starts."""
     import k3.megatron.backend
     from k3.launch.args import TrainArgs, resolve

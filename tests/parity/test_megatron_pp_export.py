@@ -99,7 +99,7 @@ def _held_bytes(policy) -> dict:
     import torch.distributed as dist
 
     import k3.megatron.lora as mlora
-    import k3.rl.megatron_policy as mp
+    import k3.rl.trainers.megatron as mp
 
     live = {"now": 0, "peak": 0}
 
@@ -189,7 +189,7 @@ def _worker(root: Path) -> None:
     from k3.lora import LoRAConfig
     from k3.megatron.lora import iter_lora
     from k3.rl.grpo import GRPOConfig
-    from k3.rl.megatron_policy import build_megatron_policy
+    from k3.rl.trainers.megatron import build_megatron_policy
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

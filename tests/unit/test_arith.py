@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from k3.rl.arith import (
+from k3.rl.data.arith import (
     ArithConfig,
     Problem,
     is_eval_problem,
@@ -12,9 +12,9 @@ from k3.rl.arith import (
     write_arith_dataset,
     write_warmup_corpus,
 )
-from k3.rl.chat import encode_prompt
-from k3.rl.data import read_records
-from k3.rl.reward import deepscaler_reward
+from k3.rl.data.chat import encode_prompt
+from k3.rl.data.records import read_records
+from k3.rl.reward.reward import deepscaler_reward
 from k3.tokenizer import ByteTokenizer
 
 
@@ -49,7 +49,7 @@ def test_labels_and_operand_ranges():
 
 
 def test_boxed_share_mixes_answer_forms():
-    from k3.rl.arith import warmup_corpus
+    from k3.rl.data.arith import warmup_corpus
 
     corpus = warmup_corpus(400, seed=0, config=ArithConfig(boxed_share=0.5))
     boxed = sum("\\boxed{" in ex.completion for ex in corpus)

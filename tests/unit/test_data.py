@@ -10,16 +10,9 @@ import typer
 from typer.testing import CliRunner
 
 from k3.launch.prepare_data import prepare_data as prepare_data_cmd
-from k3.rl import data as data_mod
-from k3.rl.data import (
-    DataError,
-    DataFormatError,
-    load_prompts,
-    prepare_data,
-    read_records,
-    task_paths,
-    write_records,
-)
+from k3.rl.data import prepare as data_mod
+from k3.rl.data.prepare import prepare_data, task_paths
+from k3.rl.data.records import DataError, DataFormatError, load_prompts, read_records, write_records
 
 DAPO = [
     {"prompt": [{"role": "user", "content": "Find x if 2x = 4."}], "label": "2", "extra": {"id": 1}},

@@ -8,11 +8,12 @@ from k3.config import variant
 from k3.lora import LoRAConfig, apply_lora
 from k3.lora.export import export_chunks
 from k3.model import KimiK3ForCausalLM
-from k3.rl.policy import PolicyTrainer, Trajectory
-from k3.rollout.adapter_loader import AdapterVersionError
-from k3.rollout.embedded import EmbeddedEngine, EngineStateError
+from k3.rl.trainers.torch import PolicyTrainer
+from k3.rl.trainers.trajectory import Trajectory
+from k3.rollout.embedded.engine import EmbeddedEngine
+from k3.rollout.embedded.sampling import _top_p_filter, sample_next
+from k3.rollout.errors import AdapterVersionError, EngineStateError
 from k3.rollout.protocol import GenerateRequest, SamplingParams
-from k3.rollout.sampling import _top_p_filter, sample_next
 from k3.tokenizer import ByteTokenizer
 
 

@@ -1,5 +1,5 @@
 """The loop on the SGLang engine, on CPU: the real ``k3 train`` code path (in process) drives the real
-``k3.rollout.sglang`` binding against a test-only ``sglang`` (tests/fake_sglang: SGLang's module paths and
+``k3.rollout.sglang`` package against a test-only ``sglang`` (tests/fake_sglang: SGLang's module paths and
 signatures, the tiny K3 behind them).
 
 * the exact SGLang call sequence of every sync, for both ``--colocate-memory-peak-device`` orders and both LoRA
@@ -33,10 +33,13 @@ from k3.lora.export import AdapterChunk, chunk_layout
 from k3.model import KimiK3ForCausalLM
 from k3.rl import colocate
 from k3.rl import loop as loop_mod
-from k3.rl.arith import write_arith_dataset
-from k3.rl.sglang_worker import EngineNode, SGLangEngineWorker, plan_engine_nodes
-from k3.rl.workers import TrainerWorker, WorkerSpec
+from k3.rl.data.arith import write_arith_dataset
+from k3.rl.handles import LocalHandle
+from k3.rl.trainer_worker import TrainerWorker
+from k3.rollout.sglang.placement import EngineNode, plan_engine_nodes
+from k3.rollout.sglang.worker import SGLangEngineWorker
 from k3.settings.lora import target_names
+from k3.settings.worker import WorkerSpec
 
 FAKE = Path(__file__).resolve().parents[1] / "fake_sglang"
 CONTRACT = Path(__file__).resolve().parent / "test_sglang_contract.py"
@@ -231,7 +234,7 @@ def test_without_sglang_the_sglang_run_stops_at_once(tiny, tmp_path, capsys):
 
 # ============================================================================ the hand-off: partial versions
 def _worker(root: Path, rank: int = 4) -> tuple[SGLangEngineWorker, LoRAConfig]:
-    from k3.rollout.sglang import build_server_args
+    from k3.rollout.sglang.server_args import build_server_args
 
     spec = WorkerSpec(model_dir=str(root / "base"), lora_rank=rank, lora_alpha=2.0 * rank, lora_dropout=0.0,
                       target_modules=target_names())
@@ -345,7 +348,7 @@ def test_the_fake_has_the_pinned_sglangs_signatures(fake_sglang):
     import ast
     import dataclasses
 
-    import k3.rollout.sglang as sgl
+    import k3.rollout.sglang.surface as sgl
 
     contract = _contract()
     src = contract.Source(contract._fetch_wheel())  # the contract test's own reader (skips offline)
@@ -439,7 +442,7 @@ def test_generation_is_sharded_over_engines_in_order():
 
     engines = [Engine(k) for k in range(3)]
     loop = object.__new__(loop_mod.Loop)
-    loop.engines = [loop_mod._Local(e) for e in engines]
+    loop.engines = [LocalHandle(e) for e in engines]
     loop.engine = loop.engines[0]
     reqs = [GenerateRequest([1], {"i": i}) for i in range(8)]
     out = loop._generate(reqs, SamplingParams(seed=100))

@@ -130,8 +130,8 @@ def test_default_path_is_the_torch_one_and_never_calls_the_kernels(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("the default path called a Triton wrapper")
 
-    monkeypatch.setattr(lora_experts.lora_grouped, "lora_gate_up", boom)
-    monkeypatch.setattr(lora_experts.lora_grouped, "lora_down", boom)
+    monkeypatch.setattr(lora_experts.expert_lora, "lora_gate_up", boom)
+    monkeypatch.setattr(lora_experts.expert_lora, "lora_down", boom)
     counts = torch.tensor(COUNTS)
     x = torch.randn(int(counts.sum()), 16)
     out = m(x, counts)
@@ -172,7 +172,7 @@ def test_triton_where_it_cannot_run_raises_and_fused_is_exclusive(monkeypatch):
 
 def test_auto_takes_the_kernels_where_they_run_and_the_torch_path_elsewhere(monkeypatch):
     calls = []
-    monkeypatch.setattr(lora_experts.lora_grouped, "lora_gate_up", lambda *a, **k: calls.append("gate_up"))
+    monkeypatch.setattr(lora_experts.expert_lora, "lora_gate_up", lambda *a, **k: calls.append("gate_up"))
     monkeypatch.setattr(availability, "triton_available", lambda: True)
     monkeypatch.setattr(availability, "triton_runs_on", lambda device: False)
     m = _experts(lora_impl="auto")

@@ -5,8 +5,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from k3.rl.math_verify_worker import MathVerifyWorker
-from k3.rl.reward import (
+from k3.rl.reward.math_verify_worker import MathVerifyWorker
+from k3.rl.reward.reward import (
     answer_region,
     deepscaler_reward,
     default_reward_name,

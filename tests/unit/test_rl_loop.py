@@ -11,8 +11,9 @@ import torch
 from k3.config import variant
 from k3.launch.train import main as train_main
 from k3.model import KimiK3ForCausalLM
-from k3.rl.arith import write_arith_dataset
-from k3.rl.loop import latest_checkpoint, prompts_for_rollout
+from k3.rl.data.arith import write_arith_dataset
+from k3.rl.data.order import prompts_for_rollout
+from k3.rl.resume import latest_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -39,10 +40,11 @@ def _events(run):
 @pytest.fixture
 def teardown_calls(monkeypatch):
     """Records the in-process trainer's close and the engines' shutdown (the Ray path kills actors instead)."""
-    from k3.rl import workers
+    from k3.rl.trainer_worker import TrainerWorker
+    from k3.rollout.embedded.worker import EngineWorker
 
     calls = []
-    for cls, method in ((workers.TrainerWorker, "close"), (workers.EngineWorker, "shutdown")):
+    for cls, method in ((TrainerWorker, "close"), (EngineWorker, "shutdown")):
         original = getattr(cls, method)
 
         def recording(self, _original=original, _name=f"{cls.__name__}.{method}"):
@@ -142,7 +144,7 @@ def test_the_leak_baseline_is_taken_after_the_first_sync_that_follows_training()
     warm-up; every later sync is checked against the end of sync 1."""
     import time
 
-    from k3.rl.workers import TrainerWorker
+    from k3.rl.trainer_worker import TrainerWorker
 
     class Gate:
         def __init__(self):

@@ -5,7 +5,7 @@ The test downloads the pinned wheel (``pip download --no-deps sglang==<SGLANG_VE
 
 * every entry of ``SGLANG_SURFACE`` exists — the class, the method with its sync/async kind, the positional
   count and every keyword we pass (and no required parameter we leave out), the request struct's fields;
-* ``_SGLangBackend`` (the only code that calls sglang) uses exactly what ``SGLANG_SURFACE`` declares;
+* ``SGLangBackend`` (the only code that calls sglang) uses exactly what ``SGLANG_SURFACE`` declares;
 * every server argument ``build_server_args`` emits is a ServerArgs field whose type and choices admit the
   value; every sampling key is a SamplingParams field; result keys, finish types, memory tags and the
   log-probability switch are SGLang's;
@@ -33,10 +33,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import k3.rollout.sglang as sgl
+import k3.rollout.sglang.backend as sglang_backend
+import k3.rollout.sglang.surface as sgl
 from k3.launch.args import resolve
 from k3.launch.parser import parse_train_args
 from k3.rollout.protocol import MEMORY_TAGS, SamplingParams
+from k3.rollout.sglang.payload import build_lora_payload, sglang_bucket_payload
+from k3.rollout.sglang.sampling import build_sampling_params
+from k3.rollout.sglang.server_args import build_server_args
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("K3_CACHE_DIR", Path.home() / ".cache" / "k3-lora-rl")) / f"sglang-{sgl.SGLANG_VERSION}"
@@ -278,9 +282,9 @@ def test_streamed_loading_matches_the_pinned_request_struct(src):
 
 # ============================================================================ what the backend really calls
 def _backend_uses() -> list[tuple[str, str, int, tuple[str, ...], str]]:
-    """(kind, target, positional, keywords, module) of every sglang use in ``_SGLangBackend``'s source."""
-    tree = ast.parse(Path(sgl.__file__).read_text())
-    backend = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "_SGLangBackend")
+    """(kind, target, positional, keywords, module) of every sglang use in ``SGLangBackend``'s source."""
+    tree = ast.parse(Path(sglang_backend.__file__).read_text())
+    backend = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "SGLangBackend")
     imported: dict[str, str] = {}
     for node in ast.walk(backend):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("sglang"):
@@ -295,8 +299,14 @@ def _backend_uses() -> list[tuple[str, str, int, tuple[str, ...], str]]:
         return None
 
     # An imported class handed to one of our module functions is called there through that parameter
-    # (``sglang_bucket_payload(flat, entries, FlattenedTensorMetadata)`` builds the metadata objects).
+    # (``sglang_bucket_payload(flat, entries, FlattenedTensorMetadata)`` builds the metadata objects): the
+    # backend's own functions and those it imports from the other modules of k3.rollout.sglang.
     functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("k3.rollout.sglang."):
+            ours = ast.parse((REPO / (node.module.replace(".", "/") + ".py")).read_text())
+            names = {a.name for a in node.names}
+            functions.update({n.name: n for n in ours.body if isinstance(n, ast.FunctionDef) and n.name in names})
 
     def calls_through(fn: ast.FunctionDef, position: int):
         param = fn.args.args[position].arg
@@ -359,7 +369,7 @@ def test_the_backend_uses_only_the_declared_surface():
 def test_every_declared_use_is_used():
     used = {target for _, target, *_ in _backend_uses()}
     unused = [u.target for u in sgl.SGLANG_SURFACE if u.target not in used]
-    assert not unused, f"SGLANG_SURFACE declares {unused}, which _SGLangBackend never uses"
+    assert not unused, f"SGLANG_SURFACE declares {unused}, which SGLangBackend never uses"
 
 
 def test_declared_keywords_are_the_ones_passed():
@@ -369,7 +379,7 @@ def test_declared_keywords_are_the_ones_passed():
     stale = {u.target: sorted(set(u.keywords + u.optional_keywords) - passed.get(u.target, set()))
              for u in sgl.SGLANG_SURFACE}
     stale = {t: k for t, k in stale.items() if k}
-    assert not stale, f"SGLANG_SURFACE declares keywords _SGLangBackend never passes: {stale}"
+    assert not stale, f"SGLANG_SURFACE declares keywords SGLangBackend never passes: {stale}"
 
 
 # ============================================================================ server args, sampling, results
@@ -456,7 +466,7 @@ SERVER_ARG_CASES = {
                        {"dist_init_addr": "10.0.0.1:5000", "node_rank": 0}),
     "full-tp8": (("--mode normal --model-variant full --num-nodes 16 --num-gpus-per-node 4 --rollout-tp-size 8 "
                   "--rollout-ep-size 8 --rollout-engine sglang --run-id w"), {"dist_init_addr": "h:1", "node_rank": 1}),
-    # What k3.rl.sglang_worker adds per node: the head's address, the node's rank, GPUs counted from its own.
+    # What k3.rollout.sglang.start adds per node: the head's address, the node's rank, GPUs counted from its own.
     "full-validated-follower": (("--mode normal --model-variant full --num-nodes 16 --num-gpus-per-node 4 "
                                  "--pipeline-parallel-size 8 --context-parallel-size 2 --rollout-tp-size 16 "
                                  "--rollout-engine sglang --run-id f"),
@@ -467,7 +477,7 @@ SERVER_ARG_CASES = {
 @pytest.mark.parametrize("case", list(SERVER_ARG_CASES))
 def test_server_args_are_sglang_fields_with_fitting_values(src, case):
     words, overrides = SERVER_ARG_CASES[case]
-    args = sgl.build_server_args(_resolved(words), **overrides)
+    args = build_server_args(_resolved(words), **overrides)
     fields = _server_arg_fields(src)
     problems = []
     for key, value in args.items():
@@ -487,7 +497,7 @@ def test_server_args_are_sglang_fields_with_fitting_values(src, case):
 
 
 def test_sampling_keys_are_sglang_sampling_params(src):
-    params = sgl.build_sampling_params(SamplingParams(temperature=0.5, top_p=0.5, max_new_tokens=3, seed=1,
+    params = build_sampling_params(SamplingParams(temperature=0.5, top_p=0.5, max_new_tokens=3, seed=1,
                                                       stop_token_ids=(4,)), 2, stop_token_ids=(2,))
     fields = src.fields("sglang/srt/sampling/sampling_params.py", "SamplingParams")
     for key, value in params[0].items():
@@ -568,8 +578,8 @@ def _adapter_like() -> list[tuple[str, torch.Tensor]]:
 
 def test_sglang_bucket_reconstructs_our_payload(tensor_bucket):
     named = _adapter_like()
-    flat, entries = sgl.build_lora_payload(named)
-    payload = sgl.sglang_bucket_payload(flat, entries, tensor_bucket.FlattenedTensorMetadata)
+    flat, entries = build_lora_payload(named)
+    payload = sglang_bucket_payload(flat, entries, tensor_bucket.FlattenedTensorMetadata)
     bucket = tensor_bucket.FlattenedTensorBucket(flattened_tensor=payload["flattened_tensor"],
                                                  metadata=payload["metadata"])
     back = bucket.reconstruct_tensors()
@@ -598,9 +608,9 @@ def test_our_payload_passes_sglangs_safe_unpickler(src, tensor_bucket):
     assert wanted <= set(namespace)
 
     named = _adapter_like()
-    flat, entries = sgl.build_lora_payload(named)
+    flat, entries = build_lora_payload(named)
     buf = io.BytesIO()
-    ForkingPickler(buf).dump(sgl.sglang_bucket_payload(flat, entries, tensor_bucket.FlattenedTensorMetadata))
+    ForkingPickler(buf).dump(sglang_bucket_payload(flat, entries, tensor_bucket.FlattenedTensorMetadata))
     data = namespace["SafeUnpickler"](io.BytesIO(buf.getvalue())).load()
     bucket = tensor_bucket.FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"], metadata=data["metadata"])
     back = bucket.reconstruct_tensors()

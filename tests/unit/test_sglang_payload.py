@@ -14,24 +14,15 @@ import torch
 from k3.launch.args import resolve
 from k3.launch.parser import parse_train_args
 from k3.lora.export import AdapterChunk
-from k3.rollout.adapter_loader import AdapterVersionError
-from k3.rollout.embedded import EngineStateError
+from k3.rollout.errors import AdapterVersionError, EngineStateError
 from k3.rollout.protocol import GenerateRequest, SamplingParams
-from k3.rollout.sglang import (
-    CLUSTER_INSTALL_HINT,
-    LORA_NAME,
-    BucketEntry,
-    SGLangEngine,
-    SGLangError,
-    SGLangUnavailableError,
-    build_lora_payload,
-    build_sampling_params,
-    build_server_args,
-    sample_from_output,
-    sglang_bucket_payload,
-    supports_streamed_lora_load,
-    unflatten_lora_payload,
-)
+from k3.rollout.sglang.engine import LORA_NAME, SGLangEngine
+from k3.rollout.sglang.errors import SGLangError, SGLangUnavailableError
+from k3.rollout.sglang.payload import BucketEntry, build_lora_payload, sglang_bucket_payload, unflatten_lora_payload
+from k3.rollout.sglang.results import sample_from_output
+from k3.rollout.sglang.sampling import build_sampling_params
+from k3.rollout.sglang.server_args import build_server_args
+from k3.rollout.sglang.surface import CLUSTER_INSTALL_HINT, supports_streamed_lora_load
 
 R, H = 4, 16
 P = "language_model.model.layers."

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import gc
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -23,7 +24,8 @@ import torch
 import torch.multiprocessing as mp
 
 from k3.lora.export import AdapterChunk
-from k3.rl.loop import STATE_NAME, TrainingError, latest_checkpoint, load_checkpoint_state
+from k3.rl.errors import TrainingError
+from k3.rl.resume import STATE_NAME, latest_checkpoint, load_checkpoint_state
 from k3.transport.handoff import (AdapterProducer, AdapterReceiver, HandoffError, HandoffRejected, HandoffTimeout,
                                   TransferBuffer, digest_tensors, flat_views, serve, spawn_receiver)
 
@@ -374,7 +376,7 @@ def test_resume_refuses_a_corrupted_checkpoint_end_to_end(tmp_path, monkeypatch)
     from k3.config import variant
     from k3.launch.train import main as train_main
     from k3.model import KimiK3ForCausalLM
-    from k3.rl.arith import write_arith_dataset
+    from k3.rl.data.arith import write_arith_dataset
 
     torch.manual_seed(0)
     KimiK3ForCausalLM(variant("tiny").replace(quantization_config=None)).save_pretrained(tmp_path / "base")
@@ -388,10 +390,31 @@ def test_resume_refuses_a_corrupted_checkpoint_end_to_end(tmp_path, monkeypatch)
     assert train_main(argv) == 0
     ckpt = latest_checkpoint(run)
     weights = ckpt / "adapter_model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:-3])
+    intact = weights.read_bytes()
+    weights.write_bytes(intact[:-3])
     assert train_main([*argv, "--resume", "--num-rollout", "2"]) == 1
     last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["status"] == "failed" and f"checkpoint file {weights} is corrupted" in last["error"]
+
+    # A planted trainer state whose unpickling runs a command: `k3 train --resume` refuses it and never runs it.
+    weights.write_bytes(intact)
+    marker = tmp_path / "payload-ran"
+    state = torch.load(ckpt / STATE_NAME, weights_only=True)
+    torch.save({**state, "note": _Planted(marker)}, ckpt / STATE_NAME)
+    assert train_main([*argv, "--resume", "--num-rollout", "2"]) == 1
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["status"] == "failed" and f"checkpoint file {ckpt / STATE_NAME} is refused" in last["error"]
+    assert not marker.exists()
+
+
+class _Planted:
+    """Unpickles by running a shell command: the payload of a planted ``trainer_state.pt``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {shlex.quote(str(self.marker))}",)
 
 
 # ---------------------------------------------------------------------- the engine actor killed by Ray mid-sync
@@ -414,9 +437,10 @@ def test_engine_actor_killed_by_ray_during_sync_fails_clearly_and_resume_continu
     from k3.launch.placement import RayPlacement
     from k3.launch.train import main as train_main
     from k3.model import KimiK3ForCausalLM
-    from k3.rl import loop as loop_mod
-    from k3.rl.arith import write_arith_dataset
-    from k3.rl.workers import EngineWorker
+    from k3.rl.data.arith import write_arith_dataset
+    from k3.rl.handles import RayHandle
+    from k3.rollout.embedded import start as embedded_start
+    from k3.rollout.embedded.worker import EngineWorker
 
     kill_version = 3  # sync index 2: the sync after rollout 1 (rollout 0 is checkpointed by then)
 
@@ -444,7 +468,7 @@ def test_engine_actor_killed_by_ray_during_sync_fails_clearly_and_resume_continu
         handles[role] = create(self, actor_cls, rank, role, *args, **kwargs)
         return handles[role]
 
-    real_call = loop_mod._Remote.call
+    real_call = RayHandle.call
     killed = []
 
     def call(self, method, *args):
@@ -465,8 +489,8 @@ def test_engine_actor_killed_by_ray_during_sync_fails_clearly_and_resume_continu
     run = tmp_path / "run"
     monkeypatch.delenv("K3_IN_PROCESS", raising=False)
     monkeypatch.setattr(RayPlacement, "create_actor", recording_create)
-    monkeypatch.setattr(loop_mod, "EngineWorker", StallingEngine)
-    monkeypatch.setattr(loop_mod._Remote, "call", call)
+    monkeypatch.setattr(embedded_start, "EngineWorker", StallingEngine)
+    monkeypatch.setattr(RayHandle, "call", call)
     shm_before = {n for n in os.listdir("/dev/shm") if n.startswith("torch_")}
 
     t0 = time.monotonic()
@@ -485,7 +509,7 @@ def test_engine_actor_killed_by_ray_during_sync_fails_clearly_and_resume_continu
                                              f"{sorted(_segments_of_this_run(shm_before))}")
         time.sleep(0.2)
 
-    monkeypatch.setattr(loop_mod, "EngineWorker", EngineWorker)
+    monkeypatch.setattr(embedded_start, "EngineWorker", EngineWorker)
     assert train_main([*_tiny_run_argv(tmp_path, run, num_rollout=3), "--resume"]) == 0
     events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     resumed = [e for e in events if e.get("status") == "resumed"]
@@ -497,7 +521,7 @@ def test_engine_actor_killed_by_ray_during_sync_fails_clearly_and_resume_continu
 
 
 def test_stale_temp_dirs_of_dead_saves_are_removed_and_live_ones_kept(tmp_path):
-    from k3.rl.loop import remove_stale_temp_dirs
+    from k3.rl.resume import remove_stale_temp_dirs
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead_pid = int(dead.stdout)

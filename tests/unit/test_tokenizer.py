@@ -94,11 +94,11 @@ def test_load_tokenizer_hf_files_use_the_config_eos(tmp_path):
     assert tok.decode([5, 3]).replace(" ", "") == f"hello{END_OF_MSG}"
 
 
-# XTML prompts (k3.rl.chat): what the tokenizer is fed
+# XTML prompts (k3.rl.data.chat): what the tokenizer is fed
 
 
 def test_prompt_from_a_string_and_from_messages():
-    from k3.rl.chat import assistant_prefix, build_prompt
+    from k3.rl.data.chat import assistant_prefix, build_prompt
 
     assert build_prompt("Hi") == (
         f'{OPEN}message role="user"{SEP}Hi{END_OF_MSG}{OPEN}message role="assistant"{SEP}{OPEN}think{SEP}'
@@ -120,7 +120,7 @@ def test_prompt_from_a_string_and_from_messages():
 
 
 def test_encode_prompt_keeps_user_typed_markers_as_text():
-    from k3.rl.chat import build_prompt, encode_prompt
+    from k3.rl.data.chat import build_prompt, encode_prompt
 
     tok = ByteTokenizer()
     plain = "What is 1 + 1?"
@@ -132,7 +132,7 @@ def test_encode_prompt_keeps_user_typed_markers_as_text():
 
 
 def test_bad_prompts_are_refused():
-    from k3.rl.chat import ChatFormatError, build_prompt
+    from k3.rl.data.chat import ChatFormatError, build_prompt
 
     with pytest.raises(ChatFormatError, match="non-empty list"):
         build_prompt([])

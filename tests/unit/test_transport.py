@@ -336,7 +336,7 @@ def test_a_receiver_in_the_same_process_gets_tokens_not_ipc_handles_and_the_buck
     import threading
     from multiprocessing.connection import Client, Listener
 
-    from k3.rl.workers import _peer_pid
+    from k3.rl.trainer_worker import _peer_pid
     from k3.transport import handoff
 
     path, key = str(tmp_path / "adapter.sock"), b"k" * 16

@@ -7,7 +7,7 @@ import torch
 
 from k3.config import variant
 from k3.model import KimiK3ForCausalLM
-from k3.rl.arith import warmup_corpus
+from k3.rl.data.arith import warmup_corpus
 from k3.rl.warmup import supervised_warmup, warmup_key
 
 

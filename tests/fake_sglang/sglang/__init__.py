@@ -1,5 +1,5 @@
-"""A test-only stand-in for the pinned SGLang (0.5.23), for driving the real ``k3.rollout.sglang`` binding and the
-real loop on CPU. It has SGLang's module paths and, for every name ``k3.rollout.sglang.SGLANG_SURFACE`` uses,
+"""A test-only stand-in for the pinned SGLang (0.5.23), for driving the real ``k3.rollout.sglang`` package and the
+real loop on CPU. It has SGLang's module paths and, for every name ``k3.rollout.sglang.surface.SGLANG_SURFACE`` uses,
 SGLang's signature (``tests/unit/test_loop_sglang.py`` compares them with the wheel's source). Behind them, the
 engine generates with the tiny K3 reference model and applies the adapters it is sent, so a loop run on it is a
 real run; it is strict where SGLang is fatal or silently wrong (resuming a region that was never released,

@@ -1,6 +1,6 @@
 """Stand-in for ``sglang.srt.entrypoints.engine.Engine`` (see the package docstring).
 
-It serves the checkpoint at ``model_path`` with ``k3.rollout.embedded.EmbeddedEngine`` (the reference K3 on CPU),
+It serves the checkpoint at ``model_path`` with ``k3.rollout.embedded.engine.EmbeddedEngine`` (the reference K3 on CPU),
 adapters applied by PEFT name from the flattened buckets it is sent, so its log-probabilities are the trainer's
 when the adapter arrived intact. What it enforces, as SGLang does or must:
 
@@ -217,7 +217,7 @@ class Engine:
         from k3.lora import LoRAConfig, apply_lora
         from k3.lora.export import load_adapter_tensors
         from k3.model import KimiK3ForCausalLM
-        from k3.rollout.embedded import EmbeddedEngine
+        from k3.rollout.embedded.engine import EmbeddedEngine
         from k3.tokenizer import load_tokenizer
 
         if self._embedded is not None and self.lora_config is not None and not self._with_lora:

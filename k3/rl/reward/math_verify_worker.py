@@ -133,14 +133,14 @@ class MathVerifyWorker:
     # -- internals (called with the lock held) --
 
     def _start(self) -> None:
-        package_root = str(Path(__file__).resolve().parents[2])  # so the child finds k3 wherever we were run
+        package_root = str(Path(__file__).resolve().parents[3])  # so the child finds k3 wherever we were run
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
         env.setdefault("OMP_NUM_THREADS", "1")
         cmd = [
             sys.executable,
             "-m",
-            "k3.rl.math_verify_worker",
+            "k3.rl.reward.math_verify_worker",
             "--soft-timeout",
             str(self.soft_timeout_s),
             "--memory-limit",

@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 
+from k3.lora import apply_lora
+from k3.model import KimiK3ForCausalLM
+from k3.rollout.embedded.adapter_loader import AdapterLoader
+from k3.rollout.embedded.sampling import sample_next
+from k3.rollout.errors import EngineStateError
 from k3.rollout.protocol import GenerateRequest, Sample, SamplingParams, check_tags
-from k3.rollout.sampling import sample_next
-
-
-class EngineStateError(RuntimeError):
-    """The engine was asked to do something its memory state does not allow (e.g. generate while released)."""
 
 
 class EmbeddedEngine:
@@ -43,12 +43,8 @@ class EmbeddedEngine:
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency={max_concurrency}: expected >= 1")
         if isinstance(model, (str, Path)):
-            from k3.model import KimiK3ForCausalLM
-
             model = KimiK3ForCausalLM.from_pretrained(model, dtype=dtype)
         if lora_config is not None:
-            from k3.lora import apply_lora
-
             model = apply_lora(model, lora_config)
         self.model = model.to(device).eval()
         for p in self.model.parameters():
@@ -60,8 +56,6 @@ class EmbeddedEngine:
         self._version = 0
         self._released: set[str] = set()
         self._backup: dict[str, torch.Tensor] = {}
-        from k3.rollout.adapter_loader import AdapterLoader
-
         self._loader = AdapterLoader(self.model)
 
     # ------------------------------------------------------------------ generation

@@ -27,10 +27,15 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from k3.rl.errors import TrainingError
+import torch
 
-__all__ = ["TrainerGroup", "TrainerRank", "TrainerRankError", "local_ranks", "merge_rank_states",
-           "split_rank_states"]
+from k3.rl.errors import TrainingError, last_line
+from k3.rl.grpo import GRPOConfig
+from k3.rl.trainer_worker import TrainerWorker
+from k3.settings.worker import WorkerSpec
+
+__all__ = ["RANKS_KEY", "TrainerGroup", "TrainerRank", "TrainerRankError", "is_trainer_group", "local_ranks",
+           "merge_rank_states", "split_rank_states"]
 
 # The optimizer state of a multi-rank run holds one state per rank under this key (world size 1: flat).
 RANKS_KEY = "ranks"
@@ -69,12 +74,10 @@ class TrainerRank:
             s.bind(("", 0))
             return int(s.getsockname()[1])
 
-    def setup(self, master_addr: str, master_port: int, node_local_rank: int, spec: Any, grpo: Any,
+    def setup(self, master_addr: str, master_port: int, node_local_rank: int, spec: WorkerSpec, grpo: GRPOConfig,
               max_tokens_per_micro_batch: int) -> int:
         """Set this rank's torchrun-style environment and build its ``TrainerWorker`` (which joins the process
         group: collective over all ranks). Returns the process id."""
-        from k3.rl.workers import TrainerWorker
-
         os.environ.update(MASTER_ADDR=str(master_addr), MASTER_PORT=str(int(master_port)), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(_device_index(node_local_rank)))
         self.worker = TrainerWorker(spec, grpo, max_tokens_per_micro_batch, rank=self.rank)
@@ -92,8 +95,6 @@ class TrainerRank:
 
 def _device_index(node_local_rank: int) -> int:
     """The CUDA device this rank uses in its process (see the module docstring); the node-local rank on CPU."""
-    import torch
-
     if not torch.cuda.is_available():
         return node_local_rank
     return node_local_rank if torch.cuda.device_count() > node_local_rank else 0
@@ -132,7 +133,8 @@ class TrainerGroup:
         return len(self.actors)
 
     @classmethod
-    def start(cls, placement: Any, world_size: int, spec: Any, grpo: Any, max_tokens_per_micro_batch: int, *,
+    def start(cls, placement: Any, world_size: int, spec: WorkerSpec, grpo: GRPOConfig,
+              max_tokens_per_micro_batch: int, *,
               timeout_s: float | None = None) -> "TrainerGroup":
         """Create rank ``r``'s :class:`TrainerRank` in ``placement``'s bundle of training rank ``r`` for every
         ``r < world_size``, give each its torchrun environment and build every rank's ``TrainerWorker`` (all at
@@ -209,10 +211,10 @@ class TrainerGroup:
         for r in order:
             e = failed[r]
             if r in died:
-                parts.append(f"trainer rank {r} died during {what} ({type(e).__name__}: {_last_line(e)})")
+                parts.append(f"trainer rank {r} died during {what} ({type(e).__name__}: {last_line(e)})")
             else:
                 cause = getattr(e, "cause", None) or e
-                parts.append(f"trainer rank {r} failed in {what}: {type(cause).__name__}: {_last_line(cause)}")
+                parts.append(f"trainer rank {r} failed in {what}: {type(cause).__name__}: {last_line(cause)}")
         return TrainerRankError("; ".join(parts), rank=order[0])
 
     def kill(self) -> None:
@@ -230,9 +232,10 @@ def _ranks(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks))
 
 
-def _last_line(e: BaseException) -> str:
-    lines = [line for line in str(e).splitlines() if line.strip()]
-    return lines[-1].strip() if lines else ""
+def is_trainer_group(trainer: Any) -> bool:
+    """Whether ``trainer`` is a trainer group (one handle over several ranks, ``call`` returns a list per rank)
+    rather than the handle of a one-rank trainer."""
+    return hasattr(trainer, "call_each") and hasattr(trainer, "world_size")
 
 
 # ------------------------------------------------------------------------------------------------ optimizer state

@@ -9,22 +9,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from k3.rl.grpo import GRPOConfig, build_optimizer, policy_loss, token_entropy, token_log_probs
+from k3.rl.trainers.trajectory import Trajectory
 
-
-@dataclass
-class Trajectory:
-    """One sample to train on. ``advantage`` is per sample (GRPO); ``old_log_probs`` one per response token."""
-
-    prompt_ids: list[int]
-    response_ids: list[int]
-    advantage: float = 0.0
-    old_log_probs: list[float] | None = None
+__all__ = ["PolicyTrainer", "micro_batches"]
 
 
 def _pad_batch(trajs: Sequence[Trajectory], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,8 +18,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from k3.rl.chat import assistant_completion, build_prompt
-from k3.rl.data import write_records
+from k3.rl.data.chat import assistant_completion, build_prompt
+from k3.rl.data.records import write_records
 
 OPS = ("+", "-", "*")
 

@@ -1,169 +1,53 @@
-"""The two colocated roles of a training rank: the trainer (policy, GRPO, adapter export) and the rollout
-engine. Plain classes: ``k3.rl.loop`` runs them as Ray actors placed in the same bundle, tests may run them
-in-process.
+"""The trainer's worker of one training rank: the policy (torch or megatron backend) with its optimizer, and the
+producing end of the adapter hand-off, with leak accounting around every sync. A plain class: the loop runs it
+in process or as a Ray actor (one per training rank under megatron: ``k3.rl.trainers.group``), colocated with the
+rollout engine that rank feeds.
 
 Adapter sync goes trainer → engine over a ``multiprocessing`` connection (a Unix socket the engine listens on):
-the trainer's ``AdapterProducer`` sends one flattened bucket per chunk (shared memory on CPU, CUDA IPC on GPU)
-and waits for the engine's ack; the engine's ``AdapterReceiver`` activates a version only when it is complete.
+the ``AdapterProducer`` here sends one flattened bucket per chunk (shared memory on CPU, CUDA IPC on GPU) and
+waits for the engine's ack; the engine activates a version only when it is complete.
 """
 
 from __future__ import annotations
 
 import os
-import secrets
 import socket
 import struct
-import tempfile
-import threading
 import time
-from dataclasses import dataclass
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import Client, Connection
 from typing import Any
 
 import torch
 
-from k3.rl.policy import PolicyTrainer, Trajectory
+from k3.lora.export import export_chunks, load_peft_adapter, save_peft_adapter
+from k3.rl.grpo import GRPOConfig
+from k3.rl.trainers.megatron import build_megatron_policy
+from k3.rl.trainers.torch import PolicyTrainer
+from k3.rl.trainers.trajectory import Trajectory
+from k3.rollout.lora_model import load_lora_model
+from k3.settings.worker import WorkerSpec
+from k3.tokenizer import load_tokenizer
+from k3.transport.handoff import AdapterProducer, HandoffError, TransferBuffer
+from k3.transport.leakcheck import LeakCheck
 
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """What both roles need to build their model: the BF16 checkpoint, LoRA shape, device, dtype; and the
-    trainer's backend: ``torch`` (``PolicyTrainer``) or ``megatron`` (``MegatronPolicy``, base weights from the
-    torch_dist ``ref_load`` when set, else ``model_dir``; ``parallel`` = (TP, EP, PP, CP) of the layout;
-    ``stage_layers`` = the layers of the first and the last pipeline stage under an uneven split, None: even)."""
-
-    model_dir: str
-    lora_rank: int
-    lora_alpha: float
-    lora_dropout: float
-    target_modules: tuple[str, ...]
-    device: str = "cpu"
-    dtype: str = "float32"
-    seed: int = 0
-    backend: str = "torch"
-    ref_load: str | None = None
-    parallel: tuple[int, int, int, int] = (1, 1, 1, 1)
-    stage_layers: tuple[int | None, int | None] = (None, None)
-    expert_lora_kernel: str = "torch"  # the trainer's routed-expert adapters: torch or triton (the engine: torch)
-    transfer_buffer: bool = False  # hand chunks over through one persistent TransferBuffer, not fresh buckets
-
-    def lora_config(self):
-        from k3.lora import LoRAConfig
-
-        return LoRAConfig(rank=self.lora_rank, alpha=self.lora_alpha, dropout=self.lora_dropout,
-                          target_modules=self.target_modules)
-
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
-
-
-def _load_model(spec: WorkerSpec):
-    from k3.lora import apply_lora
-    from k3.model import KimiK3ForCausalLM
-
-    model = KimiK3ForCausalLM.from_pretrained(spec.model_dir, dtype=spec.torch_dtype(), device=spec.device)
-    torch.manual_seed(spec.seed)  # the LoRA A init is then the same on every rank and every restart
-    return apply_lora(model, spec.lora_config(), expert_lora_kernel=spec.expert_lora_kernel)
-
-
-class EngineWorker:
-    """The embedded rollout engine plus the receiving end of the adapter hand-off."""
-
-    def __init__(self, spec: WorkerSpec, max_concurrency: int, cpu_backup: bool = True,
-                 sabotage_sync: bool = False) -> None:
-        from k3.rollout.embedded import EmbeddedEngine
-        from k3.tokenizer import load_tokenizer
-
-        self.spec = spec
-        self.tokenizer = load_tokenizer(spec.model_dir)
-        self.engine = EmbeddedEngine(_load_model(spec), self.tokenizer, max_concurrency=max_concurrency,
-                                     device=spec.device, cpu_backup=cpu_backup)
-        # Test hook: an engine that acks but never activates (keeps serving version 0) — the smoke must fail.
-        self._sabotage = sabotage_sync
-        self._listener: Listener | None = None
-        self._thread: threading.Thread | None = None
-        self._error: str | None = None
-
-    # -- hand-off
-    def listen(self) -> tuple[str, bytes]:
-        """Open the adapter socket; returns ``(address, authkey)`` for the trainer's ``TrainerWorker.connect``."""
-        from k3.lora.export import chunk_layout
-        from k3.transport.handoff import AdapterReceiver, serve
-
-        layout = chunk_layout(self.engine.model.config, self.spec.lora_config())
-        expected = {name: shape for c in layout for name, shape in c.tensors}
-        path = os.path.join(tempfile.mkdtemp(prefix="k3-sync-"), "adapter.sock")
-        authkey = secrets.token_bytes(16)
-        self._listener = Listener(path, family="AF_UNIX", authkey=authkey)
-
-        def activate(version: int, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
-            if self._sabotage:
-                return
-            self.engine.activate(version, tensors)
-
-        receiver = AdapterReceiver(expected=expected, on_activate=activate, device=self.spec.device, digest=False)
-
-        def run() -> None:
-            try:
-                conn = self._listener.accept()
-                serve(conn, receiver)
-            except Exception as e:  # noqa: BLE001 - surfaced through error()
-                self._error = f"{type(e).__name__}: {e}"
-
-        self._thread = threading.Thread(target=run, name="k3-adapter-receiver", daemon=True)
-        self._thread.start()
-        return path, authkey
-
-    def error(self) -> str | None:
-        return self._error
-
-    # -- protocol passthrough
-    def generate(self, requests, sampling):
-        return self.engine.generate(requests, sampling)
-
-    def adapter_version(self) -> int:
-        return self.engine.adapter_version()
-
-    def release_memory(self, tags) -> None:
-        self.engine.release_memory(tags)
-
-    def resume_memory(self, tags) -> None:
-        self.engine.resume_memory(tags)
-
-    # The loop brackets every sync with these on every engine (recipe §5.4 steps 6-7). The embedded engine
-    # generates only inside generate(), so nothing runs that could be paused: both are no-ops.
-    def pause_generation(self) -> None:
-        pass
-
-    def continue_generation(self) -> None:
-        pass
-
-    def shutdown(self) -> None:
-        if self._listener is not None:
-            self._listener.close()
-        self.engine.shutdown()
+__all__ = ["TrainerWorker"]
 
 
 class TrainerWorker:
     """Policy + optimizer + the producing end of the hand-off, with leak accounting around every sync."""
 
-    def __init__(self, spec: WorkerSpec, grpo: Any, max_tokens_per_micro_batch: int, rank: int = 0) -> None:
-        from k3.tokenizer import load_tokenizer
-        from k3.transport.leakcheck import LeakCheck
-
+    def __init__(self, spec: WorkerSpec, grpo: GRPOConfig, max_tokens_per_micro_batch: int, rank: int = 0) -> None:
         self.spec = spec
         self.rank = rank
         self.tokenizer = load_tokenizer(spec.model_dir)
         self._megatron = spec.backend == "megatron"
         if self._megatron:
-            from k3.rl.megatron_policy import build_megatron_policy
-
             self.policy = build_megatron_policy(
                 spec.model_dir, spec.lora_config(), self.tokenizer.pad_id, grpo, max_tokens_per_micro_batch,
                 parallel=spec.parallel, ref_load=spec.ref_load, dtype=spec.torch_dtype(), seed=spec.seed,
                 stage_layers=spec.stage_layers, expert_lora_kernel=spec.expert_lora_kernel)
         elif spec.backend == "torch":
-            self.policy = PolicyTrainer(_load_model(spec), pad_id=self.tokenizer.pad_id, grpo=grpo,
+            self.policy = PolicyTrainer(load_lora_model(spec), pad_id=self.tokenizer.pad_id, grpo=grpo,
                                         max_tokens_per_micro_batch=max_tokens_per_micro_batch, device=spec.device)
         else:
             raise ValueError(f"WorkerSpec.backend={spec.backend!r}: expected 'torch' or 'megatron'")
@@ -180,8 +64,6 @@ class TrainerWorker:
         self._export_only = True
 
     def connect(self, address: str, authkey: bytes, timeout_s: float = 30.0) -> None:
-        from k3.transport.handoff import AdapterProducer, TransferBuffer
-
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -210,8 +92,6 @@ class TrainerWorker:
         """Export every adapter chunk of ``version`` and hand them to the engine (a rank set to
         :meth:`export_only` drops them); memory is sampled before and after (the harness's
         ``returns_to_baseline``). Returns timings, chunk count and the memory records."""
-        from k3.lora.export import export_chunks
-
         if self._producer is None and not self._export_only:
             raise RuntimeError("update_weights before connect(): the engine's adapter socket is not open")
         before = self.leak.memory_record("before_update_weights", rank=self.rank)
@@ -228,8 +108,6 @@ class TrainerWorker:
             for chunk in chunks:
                 n += 1
                 yield chunk
-
-        from k3.transport.handoff import HandoffError
 
         if self._producer is None:  # export_only: run the collective stream to its end, send nothing
             for chunk in counted():
@@ -267,15 +145,11 @@ class TrainerWorker:
 
     # -- adapter checkpoints
     def save_adapter(self, directory: str) -> str:
-        from k3.lora.export import save_peft_adapter
-
         if self._megatron:
             return str(self.policy.save_adapter(directory, base_model_name_or_path=self.spec.model_dir))
         return str(save_peft_adapter(self.policy.model, directory, base_model_name_or_path=self.spec.model_dir))
 
     def load_adapter(self, directory: str) -> None:
-        from k3.lora.export import load_peft_adapter
-
         if self._megatron:
             self.policy.load_adapter(directory)
         else:

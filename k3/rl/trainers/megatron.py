@@ -1,4 +1,4 @@
-"""The trainer's side of GRPO on the megatron backend, with the interface of ``k3.rl.policy.PolicyTrainer``.
+"""The trainer's side of GRPO on the megatron backend, with the interface of ``k3.rl.trainers.torch.PolicyTrainer``.
 
 ``MegatronPolicy`` holds this rank's ``MegatronLoRATrainer`` (``k3.megatron.training``) and gives the loop what
 the torch ``PolicyTrainer`` gives it:
@@ -23,7 +23,7 @@ takes trajectories ``d, d + DP, …`` of the global batch.
 
 Layout: ``parallel = (TP, EP, PP, CP)`` from the resolved launcher layout; the policy runs under TP, EP (with
 DP) and CP (tests/parity/test_megatron_policy.py: equal to one rank); the loop runs one policy per training
-rank, each in its own Ray actor (``k3.rl.trainer_group``), every rank given the same trajectories. Under PP
+rank, each in its own Ray actor (``k3.rl.trainers.group``), every rank given the same trajectories. Under PP
 the adapter export streams: each chunk is made by the stage holding its layer and broadcast over the PP group,
 so every rank yields the whole stream while holding about one chunk (tests/parity/test_megatron_pp_export.py).
 """
@@ -39,13 +39,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from k3.checkpoint.names import hf_lora_to_megatron, megatron_lora_to_hf
+from safetensors import safe_open
+
+from k3.checkpoint.hf_io import CheckpointError
+from k3.checkpoint.names import NameMapError, hf_lora_to_megatron, megatron_lora_to_hf
 from k3.config import K3Config
 from k3.settings.lora import LoRAConfig, LoRAConfigError
 from k3.lora.export import (AdapterChunk, ChunkAllocator, ChunkSpec, ExportError, PEFT_PREFIX, chunk_layout,
                             read_peft_adapter_config, write_peft_adapter)
 from k3.rl.grpo import GRPOConfig, policy_loss
-from k3.rl.policy import Trajectory
+from k3.rl.trainers.trajectory import Trajectory
 from k3.transport.handoff import flat_views, resolved_device
 
 __all__ = ["BACKEND", "MegatronPolicy", "build_megatron_policy"]
@@ -82,7 +85,6 @@ def build_megatron_policy(
     even). ``expert_lora_kernel``: ``torch`` or ``triton``, how the routed-expert adapters run
     (``apply_megatron_lora``). On CUDA the model goes to the current device (``init_parallel`` sets it from
     ``LOCAL_RANK``)."""
-    from k3.checkpoint.hf_io import CheckpointError
     from k3.megatron.checkpoint import load_dist, load_hf_checkpoint, read_dist_config
     from k3.megatron.config import k3_transformer_config
     from k3.megatron.parallel import init_parallel
@@ -272,7 +274,6 @@ class MegatronPolicy:
         raises the same ``ExportError`` (naming the stage) or none does."""
         from megatron.core import parallel_state
 
-        from k3.checkpoint.names import NameMapError
         from k3.megatron.lora import lora_factors
 
         layout = chunk_layout(self.cfg, self.lora)
@@ -419,8 +420,6 @@ class MegatronPolicy:
         """Load a PEFT adapter directory (either backend's ``save_adapter``) into the adapters. Its rank, alpha
         and targets must be this policy's (``LoRAConfigError``); its tensors exactly ``chunk_layout``'s names
         and shapes (``ExportError``); missing files raise ``FileNotFoundError``."""
-        from safetensors import safe_open
-
         from k3.megatron.lora import load_lora
 
         saved, cfg_path, weights_path = read_peft_adapter_config(directory)

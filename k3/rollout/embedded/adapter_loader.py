@@ -8,9 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-
-class AdapterVersionError(ValueError):
-    """An adapter version was incomplete, out of order or not newer than the active one; nothing was applied."""
+from k3.lora.export import ExportError, load_adapter_tensors
+from k3.rollout.errors import AdapterVersionError
 
 
 class AdapterLoader:
@@ -43,8 +42,6 @@ class AdapterLoader:
 
     def load_tensors(self, named: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> list[str]:
         """Every adapter tensor of the model, by PEFT name (strict), validated before anything is copied."""
-        from k3.lora.export import ExportError, load_adapter_tensors
-
         items = list(named.items()) if isinstance(named, Mapping) else list(named)
         try:
             return load_adapter_tensors(self.model, items, strict=True)

@@ -11,7 +11,7 @@ As in the reference grader only ``\\boxed{`` counts: ``\\fbox{…}``, ``\\boxed 
 ``math`` is the same grading applied to the whole response (no region). ``deterministic_random`` is an
 infrastructure signal: bit 0 of the first byte of SHA-256(tokens, response).
 
-math-verify runs in a child process with a hard deadline (:mod:`k3.rl.math_verify_worker`), so every reward
+math-verify runs in a child process with a hard deadline (:mod:`k3.rl.reward.math_verify_worker`), so every reward
 function here may be called from any thread and returns within a bounded time on any input.
 """
 
@@ -23,7 +23,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from k3.rl.math_verify_worker import MathVerifyWorker, default_worker
+from k3.rl.reward.math_verify_worker import MathVerifyWorker, default_worker
 
 RESPONSE_MARKER = "<|open|>response<|sep|>"
 THINK_END = "</think>"

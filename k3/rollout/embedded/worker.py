@@ -1,0 +1,105 @@
+"""The embedded engine as a worker of the loop: the engine plus the receiving end of the adapter hand-off.
+
+Adapter sync goes trainer → engine over a ``multiprocessing`` connection (a Unix socket the engine listens on):
+the trainer's ``AdapterProducer`` sends one flattened bucket per chunk (shared memory on CPU, CUDA IPC on GPU)
+and waits for the engine's ack; the engine's ``AdapterReceiver`` activates a version only when it is complete.
+A plain class: the loop runs it as a Ray actor in the bundle of training rank 0, tests may run it in process.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import tempfile
+import threading
+from collections.abc import Sequence
+from multiprocessing.connection import Listener
+from typing import Any
+
+import torch
+
+from k3.lora.export import chunk_layout
+from k3.rollout.embedded.engine import EmbeddedEngine
+from k3.rollout.lora_model import load_lora_model
+from k3.rollout.protocol import GenerateRequest, Sample, SamplingParams
+from k3.settings.worker import WorkerSpec
+from k3.tokenizer import load_tokenizer
+from k3.transport.handoff import AdapterReceiver, serve
+
+__all__ = ["EngineWorker"]
+
+
+class EngineWorker:
+    """The embedded rollout engine plus the receiving end of the adapter hand-off.
+
+    ``max_concurrency``: requests per generation pass (``--rollout-max-concurrency``); ``cpu_backup``: keep the
+    base on host while the weights are released (``--lora-base-cpu-backup``); ``sabotage_sync``: the test hook of a
+    broken adapter sync (every chunk is acked, no version is ever activated: the engine keeps serving version 0).
+    """
+
+    def __init__(self, spec: WorkerSpec, max_concurrency: int, cpu_backup: bool = True,
+                 sabotage_sync: bool = False) -> None:
+        self.spec = spec
+        self.tokenizer = load_tokenizer(spec.model_dir)
+        self.engine = EmbeddedEngine(load_lora_model(spec), self.tokenizer, max_concurrency=max_concurrency,
+                                     device=spec.device, cpu_backup=cpu_backup)
+        self._sabotage_sync = sabotage_sync
+        self._listener: Listener | None = None
+        self._thread: threading.Thread | None = None
+        self._error: str | None = None
+
+    # -- hand-off
+    def listen(self) -> tuple[str, bytes]:
+        """Open the adapter socket; returns ``(address, authkey)`` for the trainer's ``TrainerWorker.connect``."""
+        layout = chunk_layout(self.engine.model.config, self.spec.lora_config())
+        expected = {name: shape for c in layout for name, shape in c.tensors}
+        path = os.path.join(tempfile.mkdtemp(prefix="k3-sync-"), "adapter.sock")
+        authkey = secrets.token_bytes(16)
+        self._listener = Listener(path, family="AF_UNIX", authkey=authkey)
+
+        def activate(version: int, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+            if self._sabotage_sync:
+                return
+            self.engine.activate(version, tensors)
+
+        receiver = AdapterReceiver(expected=expected, on_activate=activate, device=self.spec.device, digest=False)
+
+        def run() -> None:
+            try:
+                conn = self._listener.accept()
+                serve(conn, receiver)
+            except Exception as e:  # noqa: BLE001 - surfaced through error()
+                self._error = f"{type(e).__name__}: {e}"
+
+        self._thread = threading.Thread(target=run, name="k3-adapter-receiver", daemon=True)
+        self._thread.start()
+        return path, authkey
+
+    def error(self) -> str | None:
+        return self._error
+
+    # -- protocol passthrough
+    def generate(self, requests: Sequence[GenerateRequest], sampling: SamplingParams) -> list[Sample]:
+        return self.engine.generate(requests, sampling)
+
+    def adapter_version(self) -> int:
+        return self.engine.adapter_version()
+
+    def release_memory(self, tags: Sequence[str]) -> None:
+        self.engine.release_memory(tags)
+
+    def resume_memory(self, tags: Sequence[str]) -> None:
+        self.engine.resume_memory(tags)
+
+    # The loop brackets every sync with these on every engine (recipe §5.4 steps 6-7). The embedded engine
+    # generates only inside generate(), so nothing runs that could be paused: both are no-ops.
+    def pause_generation(self) -> None:
+        pass
+
+    def continue_generation(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+        self.engine.shutdown()
