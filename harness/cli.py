@@ -204,7 +204,8 @@ def watch(
     if outcome.kill is not None:
         k = outcome.kill
         style = "bold" if k.returncode == 0 else "bold red"
-        console.print(Text(f"kill command {' '.join(k.command)!r}: exit {k.returncode}", style=style))
+        # soft_wrap: a long command line (a path) stays one line that can be searched and copied
+        console.print(Text(f"kill command {' '.join(k.command)!r}: exit {k.returncode}", style=style), soft_wrap=True)
         if k.output:
             console.print(Text(k.output, style="dim"))
     if outcome.timed_out:
