@@ -23,6 +23,7 @@ from k3.checkpoint.hf_io import (
     parse_size,
     read_weight_map,
 )
+from k3.checkpoint.native import is_native_mxfp4, load_native_state_dict
 from k3.config import K3Config
 from k3.model.attn_res import AttnResBank, attn_res_final, attn_res_layer
 from k3.model.cache import K3Cache, KDALayerState, MLALayerState
@@ -249,28 +250,25 @@ class KimiK3ForCausalLM(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
                         device: torch.device | str = "cpu") -> "KimiK3ForCausalLM":
-        """Load a BF16 HF checkpoint directory (config.json + sharded safetensors with an index).
+        """Load an HF checkpoint directory (config.json + sharded safetensors with an index): BF16, or the native
+        MXFP4 release, whose packed routed experts are decoded on load (on ``device``: the Triton decoder on CUDA,
+        the codec on the CPU), bit-identical to loading its ``k3 convert mxfp4-to-bf16`` output.
 
         Builds the model on the meta device and assigns the checkpoint tensors (cast to ``dtype``; the F32
-        tensors stay float32), so weights are held once. Refuses packed MXFP4 tensors and any name or shape
-        mismatch, listing the names.
+        tensors stay float32), so weights are held once. Refuses any name or shape mismatch, listing the names.
+        The model's config carries no ``quantization_config``: what it holds is decoded.
         """
         path = Path(path)
-        cfg = K3Config.from_json(path)
-        weight_map = read_weight_map(path)
-        packed = sorted(n for n in weight_map if n.endswith(".weight_packed"))
-        if packed:
-            raise CheckpointError(
-                f"{path}: {len(packed)} tensors are packed MXFP4 (e.g. {packed[0]}); from_pretrained loads "
-                f"BF16 checkpoints. Convert first: k3 convert mxfp4-to-bf16 --model-dir {path} "
-                "--save-dir <BF16_DIR>"
-            )
+        cfg = K3Config.from_json(path).replace(quantization_config=None)
+        if is_native_mxfp4(read_weight_map(path)):
+            tensors = load_native_state_dict(path, device=device)
+        else:
+            tensors = load_state_dict(path)
         with torch.device("meta"):
             model = cls(cfg, dtype=dtype)
         expected = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
         # A_log may also be stored unpadded, at num_heads (the module's own shape); the module slices either way.
         also_allowed = {name: (cfg.num_kda_heads,) for name in expected if name.endswith(".A_log")}
-        tensors = load_state_dict(path)
         _check_names_and_shapes(path, expected, tensors, also_allowed)
         for name in list(tensors):
             tensors[name] = tensors[name].to(device=device, dtype=expected[name][1])

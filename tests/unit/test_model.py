@@ -280,14 +280,65 @@ def test_unpadded_a_log_loads_too(saved_bf16, tmp_path_factory):
     assert torch.equal(loaded.model.layers[0].self_attn.A_log, bf16.model.layers[0].self_attn.A_log)
 
 
-def test_packed_mxfp4_tensor_is_refused_with_the_converter_command(saved_bf16):
+@pytest.fixture(scope="module")
+def native_and_converted(tmp_path_factory):
+    from k3.checkpoint.convert import convert_mxfp4_to_bf16
+    from k3.checkpoint.synth import write_synthetic_checkpoint
+
+    root = tmp_path_factory.mktemp("native")
+    native = write_synthetic_checkpoint(variant("tiny"), root / "native", "mxfp4", seed=3, max_shard_size=1 << 20,
+                                        progress=False)
+    bf16 = root / "bf16"
+    convert_mxfp4_to_bf16(native, bf16, workers=1, progress=False)
+    return native, bf16
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_native_mxfp4_loads_bit_identical_to_its_bf16_conversion(native_and_converted, dtype):
+    native, bf16 = native_and_converted
+    a = KimiK3ForCausalLM.from_pretrained(native, dtype=dtype)
+    b = KimiK3ForCausalLM.from_pretrained(bf16, dtype=dtype)
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    assert [n for n in sa if not torch.equal(sa[n], sb[n]) or sa[n].dtype != sb[n].dtype] == []
+    assert a.config.quantization_config is None and a.config == b.config
+
+
+def test_native_state_dict_decodes_every_packed_weight(native_and_converted):
+    from k3.checkpoint.hf_io import load_state_dict, read_weight_map
+    from k3.checkpoint.native import load_native_state_dict
+
+    native, bf16 = native_and_converted
+    packed = [n for n in read_weight_map(native) if n.endswith(".weight_packed")]
+    assert packed  # the synthetic release packs its routed experts
+    got, want = load_native_state_dict(native, progress=False), load_state_dict(bf16)
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[n], want[n]) for n in want)
+
+
+def test_a_native_checkpoint_missing_a_scale_is_refused_naming_it(native_and_converted, tmp_path):
+    import shutil
+
+    native, _ = native_and_converted
+    broken = tmp_path / "broken"
+    shutil.copytree(native, broken)
+    index = json.loads((broken / INDEX_NAME).read_text())
+    scale = sorted(n for n in index["weight_map"] if n.endswith(".weight_scale"))[0]
+    del index["weight_map"][scale]
+    (broken / INDEX_NAME).write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="scale"):
+        KimiK3ForCausalLM.from_pretrained(broken)
+
+
+def test_packed_weights_beside_a_bf16_config_are_refused(saved_bf16):
     _, path = saved_bf16
     name = "language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight_packed"
     save_file({name: torch.zeros(32, 24, dtype=torch.uint8)}, str(path / "packed.safetensors"))
     index = json.loads((path / INDEX_NAME).read_text())
     index["weight_map"][name] = "packed.safetensors"
     (path / INDEX_NAME).write_text(json.dumps(index))
-    with pytest.raises(CheckpointError, match=r"packed MXFP4 .*k3 convert mxfp4-to-bf16 --model-dir"):
+    with pytest.raises(CheckpointError, match=r"1 tensors are packed MXFP4 .*experts\.0\.w1\.weight_packed.*no "
+                                              r"quantization_config: the checkpoint is inconsistent"):
         KimiK3ForCausalLM.from_pretrained(path)
 
 

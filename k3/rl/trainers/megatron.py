@@ -91,10 +91,13 @@ def build_megatron_policy(
     from k3.megatron.training import build_lora_trainer
 
     grpo = GRPOConfig() if grpo is None else grpo
-    cfg = K3Config.from_json(model_dir)
-    if cfg.is_quantized:
-        raise CheckpointError(f"{model_dir}: is the native MXFP4 checkpoint; the trainer needs the BF16 one "
-                              f"(k3 convert mxfp4-to-bf16 --model-dir {model_dir} --save-dir <BF16_DIR>)")
+    engine_cfg = K3Config.from_json(model_dir)
+    if engine_cfg.is_quantized and ref_load is None:
+        # The recipe's pairing: the engine loads the native MXFP4 release, the trainer its torch_dist conversion.
+        raise CheckpointError(f"{model_dir} is the native MXFP4 checkpoint: the Megatron trainer takes its frozen "
+                              f"base from --ref-load (its torch_dist conversion: k3 convert mxfp4-to-bf16, then "
+                              f"k3 convert hf-to-dist), or give the BF16 conversion as --hf-checkpoint")
+    cfg = engine_cfg.replace(quantization_config=None)  # the trainer's base is BF16 whichever file the engine reads
     if ref_load is not None:
         stored = read_dist_config(ref_load)
         if stored.replace(quantization_config=None).to_hf_dict() != cfg.to_hf_dict():
