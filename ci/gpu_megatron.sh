@@ -9,6 +9,8 @@
 #   K3_GPU_MEGATRON_TRAIN_ARGS="--expert-lora-kernel triton --lora-transfer-buffer" bash ci/gpu_megatron.sh
 #                                      (extra `k3 train` flags for the loop, e.g. our opt-in paths)
 #   K3_GPU_MEGATRON_SKIP_PARITY=1      (the loop and the harness only: step 2 is skipped)
+#   K3_GPU_MEGATRON_NATIVE=1           (the recipe's pairing: --hf-checkpoint the native MXFP4 checkpoint, which the
+#                                      engine decodes on load; --ref-load the torch_dist of its BF16 conversion)
 #
 # The wheels in .whl/ (megatron-core, fla; carried to the device) are installed into /tmp/site. Everything the
 # run prints goes to $OUT/gpu_megatron.log; $OUT/verdict.json is the harness's verdict and $OUT/metrics.jsonl the
@@ -66,8 +68,16 @@ for name in ("megatron.core", "fla", "typer", "safetensors", "psutil", "rich", "
 EOF
 
 K3="python3 -m k3"
-step "make-checkpoint (tiny, bf16)" 25 $K3 make-checkpoint --variant tiny --format bf16 --out "$WORK/base" \
-    --seed 0 --no-progress
+if [[ ${K3_GPU_MEGATRON_NATIVE:-0} == 1 ]]; then
+    step "make-checkpoint (tiny, mxfp4)" 25 $K3 make-checkpoint --variant tiny --format mxfp4 --out "$WORK/native" \
+        --seed 0 --no-progress
+    step "convert mxfp4-to-bf16" 40 $K3 convert mxfp4-to-bf16 --model-dir "$WORK/native" --save-dir "$WORK/base"
+    HF_CHECKPOINT="$WORK/native"
+else
+    step "make-checkpoint (tiny, bf16)" 25 $K3 make-checkpoint --variant tiny --format bf16 --out "$WORK/base" \
+        --seed 0 --no-progress
+    HF_CHECKPOINT="$WORK/base"
+fi
 step "convert hf-to-dist" 40 $K3 convert hf-to-dist --hf-checkpoint "$WORK/base" --save "$WORK/dcp" --no-progress
 step "prepare-data --task arith" 15 $K3 prepare-data --task arith --data-dir "$WORK/data"
 RUN="$WORK/run"
@@ -76,7 +86,7 @@ RUN="$WORK/run"
 step "k3 train --backend megatron (3 rollouts)" 180 $K3 train --mode normal --model-variant tiny --task arith \
     --backend megatron --num-gpus-per-node 1 --reward-model deterministic_random --num-rollout 3 \
     --rollout-batch-size 4 --n-samples-per-prompt 4 --global-batch-size 16 --rollout-max-response-len 16 \
-    --lr 1e-3 --save-interval 3 --seed 0 --hf-checkpoint "$WORK/base" --ref-load "$WORK/dcp" \
+    --lr 1e-3 --save-interval 3 --seed 0 --hf-checkpoint "$HF_CHECKPOINT" --ref-load "$WORK/dcp" \
     --data-dir "$WORK/data" --run-dir "$RUN" ${K3_GPU_MEGATRON_TRAIN_ARGS:-}
 TRAIN_RC=$?
 cp "$RUN/metrics.jsonl" "$OUT/metrics.jsonl" 2>/dev/null
