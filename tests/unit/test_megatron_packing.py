@@ -9,7 +9,13 @@ import random
 import pytest
 import torch
 
-from k3.megatron.packing import balanced_partitions, first_fit_count, plan_micro_batches, sample_mean_weights
+from k3.megatron.packing import (
+    balanced_partitions,
+    first_fit_count,
+    packed_bounds,
+    plan_micro_batches,
+    sample_mean_weights,
+)
 
 
 # ---------------------------------------------------------------------------------------------- first fit
@@ -138,6 +144,34 @@ def test_plan_with_fewer_samples_than_ranks_or_micro_batches_pads_with_empty_mic
 def test_bad_inputs_are_refused(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+# ---------------------------------------------------------------------------------------------- the packed row
+def test_packed_bounds_without_context_parallelism_keep_each_length():
+    assert packed_bounds([5, 3, 7]).tolist() == [0, 5, 8, 15]
+    assert packed_bounds([5, 3, 7], tp_size=4).tolist() == [0, 5, 8, 15, 16]  # a tail so TP splits the row
+    assert packed_bounds([4, 4], tp_size=4).tolist() == [0, 4, 8]
+    assert packed_bounds([], tp_size=2).tolist() == [0, 2]  # an empty micro-batch: the padding segment alone
+
+
+def test_packed_bounds_under_context_parallelism_pad_each_sequence():
+    # CP2: each sequence a multiple of 4 and at least 2·2·3 = 12 (every chunk holds the conv halo of 3)
+    cu = packed_bounds([5, 13, 30], tp_size=2, cp_size=2, halo=3)
+    lengths = (cu[1:] - cu[:-1]).tolist()
+    assert lengths[:3] == [12, 16, 32]
+    assert int(cu[-1]) % (2 * 2 * 2) == 0 and all(n % 4 == 0 and n >= 12 for n in lengths)
+    # a tail, when one is needed, is itself a valid packed sequence
+    assert packed_bounds([12, 16], tp_size=2, cp_size=2, halo=3).tolist() == [0, 12, 16 + 12, 28 + 12]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"lengths": [3, 0]}, "lengths must be integers >= 1"),
+    ({"lengths": [3], "tp_size": 0}, "tp_size=0"),
+    ({"lengths": [3], "halo": -1}, "halo=-1"),
+])
+def test_packed_bounds_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        packed_bounds(**kwargs)
 
 
 # ---------------------------------------------------------------------------------------------- the loss
