@@ -41,7 +41,9 @@ megatron's DDP reduction over DP × CP sums the shares (with the schedule's ``×
 
 The p2p functions decide whether they take part in the backward by whether their inputs require grad (they
 always do or never do on every CP rank alike, as the ranks run the same layer). The state chain serialises the
-KDA cores across CP ranks; activation recomputation with it was not exercised.
+KDA cores across CP ranks. Under megatron's full recompute every CP rank recomputes the same layer at the same
+point of the backward, so the chain's messages pair up again (tests/parity/test_megatron_packed.py: packed CP2
+with full recompute equals TP1).
 """
 
 from __future__ import annotations
