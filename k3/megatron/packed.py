@@ -25,6 +25,8 @@ which the three parts above keep per sequence.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 from typing import Literal
 
@@ -160,7 +162,9 @@ def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     if backend == "auto":
         backend = "varlen" if _varlen_usable(q, v) else "sequences"
     if backend == "varlen":
-        return _varlen_attention(q, k, v, scale, cu)
+        if not q.is_cuda or _varlen_attn() is None:
+            raise RuntimeError("packed_causal_attention: backend='varlen' needs CUDA and torch.nn.attention.varlen")
+        return _varlen_attention(q, k, v, scale, cu, *_varlen_attn())
     if backend != "sequences":
         raise ValueError(f"packed_causal_attention: backend={backend!r}: expected auto, varlen or sequences")
     outs = [F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True, scale=scale)
@@ -168,12 +172,18 @@ def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     return torch.cat(outs, dim=2) if outs else v.new_zeros(v.shape)
 
 
+@functools.cache
 def _varlen_attn():
+    """``(varlen_attn, its keyword parameters)``, or None on a torch without a causal varlen API. torch 2.9 has
+    ``is_causal`` and no ``scale``; 2.10 on ``window_size`` and ``scale``."""
     try:
         from torch.nn.attention.varlen import varlen_attn
-    except ImportError:  # torch without the varlen API
+    except ImportError:
         return None
-    return varlen_attn
+    params = set(inspect.signature(varlen_attn).parameters)
+    if not params & {"window_size", "is_causal"}:
+        return None
+    return varlen_attn, params
 
 
 def _varlen_usable(q: torch.Tensor, v: torch.Tensor) -> bool:
@@ -183,15 +193,18 @@ def _varlen_usable(q: torch.Tensor, v: torch.Tensor) -> bool:
             and dk % 8 == 0 and v.shape[-1] <= dk and _varlen_attn() is not None)
 
 
-def _varlen_attention(q, k, v, scale, cu) -> torch.Tensor:
-    varlen_attn = _varlen_attn()
-    if varlen_attn is None or not q.is_cuda:
-        raise RuntimeError("packed_causal_attention: backend='varlen' needs CUDA and torch.nn.attention.varlen")
+def _varlen_attention(q, k, v, scale, cu, varlen_attn, params) -> torch.Tensor:
+    """``varlen_attn`` (torch's, with its keyword ``params``) on the ``[1, heads, T, d]`` tensors."""
     dk, dv = q.shape[-1], v.shape[-1]
     # FlashAttention takes one head dim: pad v with zero columns (their outputs are exactly zero).
     vp = F.pad(v, (0, dk - dv)) if dv < dk else v
+    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}  # (-1, 0): causal
+    if "scale" in params:
+        causal["scale"] = scale
+    else:  # the kernel's own scale is dk^-1/2
+        q = q * (scale * dk**0.5)
     bounds = cu.to(q.device, torch.int32, non_blocking=True)
     longest = int((cu[1:] - cu[:-1]).max())
     o = varlen_attn(q[0].transpose(0, 1), k[0].transpose(0, 1), vp[0].transpose(0, 1), bounds, bounds, longest,
-                    longest, scale=scale, window_size=(-1, 0))  # [T, heads, dk]; (-1, 0): causal
+                    longest, **causal)  # [T, heads, dk]
     return o[..., :dv].transpose(0, 1).unsqueeze(0)

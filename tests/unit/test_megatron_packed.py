@@ -5,6 +5,8 @@ parameters and their errors. The CUDA forms (torch's FlashAttention varlen kerne
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -127,6 +129,39 @@ def test_packed_attention_bad_inputs():
         packed_causal_attention(q, k, v, 0.3, [0, 10], backend="varlen")
 
 
+def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, causal=False):
+    """torch's varlen API in plain torch: ``[T, heads, d]`` in and out, one head dim, default scale d^-1/2."""
+    assert q.shape[-1] == k.shape[-1] == v.shape[-1] and torch.equal(cu_q, cu_k) and cu_q.dtype == torch.int32
+    assert max_q == max_k == int((cu_q[1:] - cu_q[:-1]).max())
+    out = torch.empty_like(q)
+    for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+        out[a:b] = F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1) for t in (q, k, v)), is_causal=causal,
+                                                  scale=scale).transpose(0, 1)
+    return out
+
+
+def _varlen_2_10(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)):
+    assert window_size in ((-1, -1), (-1, 0))
+    return _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_size == (-1, 0))
+
+
+def _varlen_2_9(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False, return_aux=None):
+    return _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, None, is_causal)
+
+
+@pytest.mark.parametrize("api", [_varlen_2_10, _varlen_2_9])
+def test_varlen_call_pads_v_scales_and_masks_as_the_reference(api):
+    # the CUDA path's plumbing on the CPU, with the kernel replaced by its definition: v padded to the key width
+    # and cut back, the layout transposed, causal per sequence, the scale passed (2.10) or folded into q (2.9)
+    from k3.megatron import packed
+
+    cu = _cu(LENGTHS)
+    q, k, v = _qkv(int(cu[-1]))
+    got = packed._varlen_attention(q, k, v, 0.3, cu, api, set(inspect.signature(api).parameters))
+    want = packed_causal_attention(q, k, v, 0.3, cu, backend="sequences")
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------- THD parameters
 def test_packed_seq_params_carry_device_and_host_bounds():
     params = packed_seq_params([0, 3, 10, 12], "cpu")
@@ -164,7 +199,7 @@ def test_packed_attention_on_cuda_equals_each_sequence_alone(dtype):
 
     cu = _cu([300, 17, 1, 513, 64])
     leaves = [t.requires_grad_(True) for t in _qkv(int(cu[-1]), heads=4, dk=192, dv=128, dtype=dtype, device="cuda")]
-    if dtype == torch.bfloat16:
+    if dtype == torch.bfloat16 and packed._varlen_attn() is not None:  # torch >= 2.9: the varlen kernel runs
         assert packed._varlen_usable(leaves[0], leaves[2])
     o = packed_causal_attention(*leaves, 192**-0.5, cu)
     w_out = torch.randn(o.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(7))
