@@ -146,6 +146,41 @@ def _run(tp: int, ep: int, pp: int, cp: int, packed: bool, granularity: str | No
     return out
 
 
+def _input_errors(cfg) -> dict[str, str]:
+    """What the layers and the trainer say to inputs they cannot take (type and message of each)."""
+    from megatron.core import parallel_state
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from k3.megatron.config import ParallelSizes, k3_transformer_config
+    from k3.megatron.model import k3_model_provider
+    from k3.megatron.packed import packed_seq_params
+    from k3.megatron.parallel import init_parallel
+    from k3.megatron.training import MicroBatch, _check_shapes
+
+    init_parallel(ParallelSizes())
+    model = k3_model_provider(k3_transformer_config(cfg))
+    layer, hidden, ids = model.decoder.layers[0], torch.zeros(6, 1, cfg.hidden_size), torch.zeros(1, 6, dtype=torch.long)
+    calls = {
+        "attention_mask": lambda: layer(hidden, attention_mask=torch.ones(1, 1, 6, 6, dtype=torch.bool)),
+        "inference_context": lambda: layer(hidden, inference_context=object()),
+        "sbhd": lambda: model(ids, None, None, packed_seq_params=PackedSeqParams(qkv_format="sbhd")),
+        "short_bounds": lambda: model(ids, None, None, packed_seq_params=packed_seq_params([0, 2, 5], "cpu")),
+        "packed_rows": lambda: MicroBatch(torch.zeros(2, 6, dtype=torch.long), ids, ids.float(),
+                                          cu_seqlens=torch.tensor([0, 6])),
+        "mixed": lambda: _check_shapes([MicroBatch(ids, ids, ids.float(), cu_seqlens=torch.tensor([0, 6])),
+                                        MicroBatch(ids, ids, ids.float())], "step"),
+    }
+    errors = {}
+    for name, call in calls.items():
+        try:
+            call()
+            errors[name] = "no error"
+        except Exception as e:  # noqa: BLE001 - the test compares type and message
+            errors[name] = f"{type(e).__name__}: {e}"
+    parallel_state.destroy_model_parallel()
+    return errors
+
+
 def _worker(mode: str, out_path: str) -> None:
     import megatron_compat
 
@@ -156,7 +191,7 @@ def _worker(mode: str, out_path: str) -> None:
     cfg, ref, _ = _reference_and_data()
     seqs = _sequences(cfg.vocab_size)
     if mode == "one":
-        results = {"padded": _run(1, 1, 1, 1, False, None, cfg, ref, seqs),
+        results = {"errors": _input_errors(cfg), "padded": _run(1, 1, 1, 1, False, None, cfg, ref, seqs),
                    "packed": _run(1, 1, 1, 1, True, None, cfg, ref, seqs)}
     else:
         results = {name: _run(tp, ep, pp, cp, True, g, cfg, ref, seqs) for name, (tp, ep, pp, cp, g) in LAYOUTS.items()}
@@ -314,6 +349,21 @@ def test_the_same_rows_without_bounds_mix_the_sequences(results):
     for group in GROUPS:
         torch.testing.assert_close(unbounded[group[0]], base[group[0]], rtol=0, atol=2e-5)
         assert min(rel(unbounded[i], base[i]) for i in group[1:]) > 1e-3
+
+
+@pytest.mark.parametrize("name, match", [
+    ("attention_mask", "ValueError: K3 megatron layers take no attention_mask: .* packed sequences carry their "
+                       r"boundaries in packed_seq_params \(cu_seqlens\)"),
+    ("inference_context", "ValueError: K3 megatron layers take no inference_context"),
+    ("sbhd", "ValueError: packed_seq_params.qkv_format='sbhd': K3 packs sequences as 'thd'"),
+    ("short_bounds", "ValueError: .*cu_seqlens .*from 0 to the 6 tokens"),
+    ("packed_rows", r"ValueError: MicroBatch: packed sequences \(cu_seqlens\) come as one row \[1, T\]"),
+    ("mixed", "ValueError: step: some micro-batches are packed"),
+])
+def test_bad_inputs_are_input_errors(results, name, match):
+    import re
+
+    assert re.search(match, results["errors"][name]), results["errors"][name]
 
 
 @pytest.mark.gpu
