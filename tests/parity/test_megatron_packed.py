@@ -8,8 +8,10 @@ over the 6 sequences; it is the same function of the sequences however they are 
 same objective. Baseline: TP1 on padded rows ``[3, 16]`` (two micro-batches). Packed: the same two groups of three
 sequences, each group one row laid out by ``k3.megatron.packing.packed_bounds`` (per-sequence padding under CP).
 
-Two worker runs (this file as a script): one process (the baseline and TP1 packed), one 2-rank torchrun (the
-layouts). The GPU form (one H200: fla's varlen KDA and torch's FlashAttention varlen MLA in BF16) is marked ``gpu``.
+Two worker runs (this file as a script): one process (the baseline, TP1 packed, the same rows without their
+bounds as the control, the parts that need no bounds — latent MoE and AttnRes mix — on a packed stream vs each
+sequence alone, and the input errors), one 2-rank torchrun (the layouts). The GPU form (one H200: fla's varlen
+KDA and torch's FlashAttention varlen MLA in BF16) is marked ``gpu``.
 """
 
 from __future__ import annotations
@@ -146,6 +148,42 @@ def _run(tp: int, ep: int, pp: int, cp: int, packed: bool, granularity: str | No
     return out
 
 
+def _per_token_parts(cfg, ref) -> dict:
+    """The parts of K3 that need no bounds: the latent MoE (router, dispatcher, experts, shared experts) and the
+    AttnRes mix over a packed stream equal the same parts on each sequence alone; and no rotary positions exist."""
+    from megatron.core import parallel_state
+
+    from k3.megatron.checkpoint import load_hf_state_dict
+    from k3.megatron.config import ParallelSizes, k3_transformer_config
+    from k3.megatron.model import k3_model_provider
+    from k3.megatron.moe import K3LatentMoE
+    from k3.megatron.parallel import init_parallel
+    from k3.model.attn_res import attn_res_mix
+
+    init_parallel(ParallelSizes())
+    model = k3_model_provider(k3_transformer_config(cfg, perform_initialization=False))
+    load_hf_state_dict(model, ref.state_dict(), cfg)
+    layer = next(m for m in model.decoder.layers if isinstance(m.mlp, K3LatentMoE))
+    gen = torch.Generator().manual_seed(5)
+    bounds = [0, 7, 19, 24]
+    x = torch.randn(24, 1, cfg.hidden_size, generator=gen)
+    rows = [torch.randn(24, 1, cfg.hidden_size, generator=gen) for _ in range(3)]
+    with torch.no_grad():
+        layer.mlp_res_proj.weight.normal_(0.0, 0.5, generator=gen)
+        moe = layer.mlp(x)
+        mix = attn_res_mix(rows, layer.mlp_res_norm, layer.mlp_res_proj)
+        moe_err = mix_err = 0.0
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            moe_err = max(moe_err, (moe[a:b] - layer.mlp(x[a:b])).abs().max().item())
+            alone = attn_res_mix([r[a:b] for r in rows], layer.mlp_res_norm, layer.mlp_res_proj)
+            mix_err = max(mix_err, (mix[a:b] - alone).abs().max().item())
+    out = {"moe_err": moe_err, "moe_scale": moe.abs().max().item(), "mix_err": mix_err,
+           "position_embedding_type": model.position_embedding_type,
+           "rotary_modules": [n for n, _ in model.named_modules() if "rotary" in n.lower()]}
+    parallel_state.destroy_model_parallel()
+    return out
+
+
 def _input_errors(cfg) -> dict[str, str]:
     """What the layers and the trainer say to inputs they cannot take (type and message of each)."""
     from megatron.core import parallel_state
@@ -191,7 +229,8 @@ def _worker(mode: str, out_path: str) -> None:
     cfg, ref, _ = _reference_and_data()
     seqs = _sequences(cfg.vocab_size)
     if mode == "one":
-        results = {"errors": _input_errors(cfg), "padded": _run(1, 1, 1, 1, False, None, cfg, ref, seqs),
+        results = {"errors": _input_errors(cfg), "per_token": _per_token_parts(cfg, ref),
+                   "padded": _run(1, 1, 1, 1, False, None, cfg, ref, seqs),
                    "packed": _run(1, 1, 1, 1, True, None, cfg, ref, seqs)}
     else:
         results = {name: _run(tp, ep, pp, cp, True, g, cfg, ref, seqs) for name, (tp, ep, pp, cp, g) in LAYOUTS.items()}
@@ -349,6 +388,12 @@ def test_the_same_rows_without_bounds_mix_the_sequences(results):
     for group in GROUPS:
         torch.testing.assert_close(unbounded[group[0]], base[group[0]], rtol=0, atol=2e-5)
         assert min(rel(unbounded[i], base[i]) for i in group[1:]) > 1e-3
+
+
+def test_moe_and_attn_res_work_per_token_and_no_rotary_positions_exist(results):
+    r = results["per_token"]
+    assert r["moe_scale"] > 1e-3 and r["moe_err"] < 1e-6 and r["mix_err"] < 1e-6, r
+    assert r["position_embedding_type"] == "none" and r["rotary_modules"] == []
 
 
 @pytest.mark.parametrize("name, match", [
