@@ -1,7 +1,8 @@
 """Packed sequences (THD) on the megatron backend, CPU (gloo, tests/megatron_compat.py): packed == padded for each
 sequence — forward log-probs, the loss and every LoRA gradient over 3 Adam steps, the final adapters — at TP1 and
 under TP2, CP2, PP2 (variable micro-batch lengths between stages) and DP2 × EP2 (each data-parallel rank packs other
-sequences, so the expert all-to-all moves unequal token counts), and CP2 with full recompute.
+sequences, so the expert all-to-all moves unequal token counts), and with recompute: CP2 and TP2 full, DP2 × EP2
+selective.
 
 The loss is the recipe's (``k3.megatron.packing.sample_mean_weights``): each sequence's masked token mean, averaged
 over the 6 sequences; it is the same function of the sequences however they are packed, so both forms minimise the
@@ -35,9 +36,11 @@ RANK, ALPHA = 4, 8.0
 # step 3 within 9e-3; the bounds leave a factor of 2. A sequence that sees another is off by O(1).
 LOSS_REL = 1e-5
 GRAD_TOLS = (5e-4, 5e-3, 2e-2)
-# name -> (tp, ep, pp, cp, recompute granularity); on 2 ranks (ep2 is DP2 x EP2)
+# name -> (tp, ep, pp, cp, recompute); on 2 ranks (ep2 is DP2 x EP2). Recompute: megatron's full (uniform, 1 layer,
+# the recipe's) or selective with every module K3 recomputes (the MoE's all-to-all recomputed in the backward)
 LAYOUTS = {"tp2": (2, 1, 1, 1, None), "cp2": (1, 1, 1, 2, None), "pp2": (1, 1, 2, 1, None),
-           "ep2": (1, 2, 1, 1, None), "cp2_recompute": (1, 1, 1, 2, "full")}
+           "ep2": (1, 2, 1, 1, None), "cp2_recompute": (1, 1, 1, 2, "full"), "tp2_recompute": (2, 1, 1, 1, "full"),
+           "ep2_selective": (1, 2, 1, 1, "selective_all")}
 
 
 # ---------------------------------------------------------------------------------------------- the data
@@ -110,12 +113,13 @@ def _run(tp: int, ep: int, pp: int, cp: int, packed: bool, granularity: str | No
     from k3.megatron.config import ParallelSizes, k3_transformer_config
     from k3.megatron.lora import gather_lora, load_lora
     from k3.megatron.parallel import init_parallel
-    from k3.megatron.recompute import Recompute
+    from k3.megatron.recompute import K3_SELECTIVE_MODULES, Recompute
     from k3.megatron.training import build_lora_trainer
 
     sizes = ParallelSizes(tp=tp, ep=ep, pp=pp, cp=cp, first_stage_layers=4 if pp > 1 else None)
     init_parallel(sizes)
-    recompute = Recompute(granularity, "uniform", 1) if granularity == "full" else Recompute(granularity)
+    recompute = {None: Recompute(), "full": Recompute("full", "uniform", 1),
+                 "selective_all": Recompute("selective", modules=K3_SELECTIVE_MODULES)}[granularity]
     config = k3_transformer_config(cfg, sizes, perform_initialization=False, recompute=recompute)
     base = {k: v.clone() for k, v in ref.state_dict().items()}
     trainer = build_lora_trainer(config, LoRAConfig(rank=RANK, alpha=ALPHA),
