@@ -1,7 +1,7 @@
 """Packed sequences (THD) on the megatron backend, CPU (gloo, tests/megatron_compat.py): packed == padded for each
 sequence — forward log-probs, the loss and every LoRA gradient over 3 Adam steps, the final adapters — at TP1 and
 under TP2, CP2, PP2 (variable micro-batch lengths between stages) and DP2 × EP2 (each data-parallel rank packs other
-sequences, so the expert all-to-all moves unequal token counts), and with recompute: CP2 and TP2 full, DP2 × EP2
+sequences, so the expert all-to-all moves unequal token counts), and with recompute: CP2, TP2 and PP2 full, DP2 × EP2
 selective.
 
 The loss is the recipe's (``k3.megatron.packing.sample_mean_weights``): each sequence's masked token mean, averaged
@@ -40,7 +40,7 @@ GRAD_TOLS = (5e-4, 5e-3, 2e-2)
 # the recipe's) or selective with every module K3 recomputes (the MoE's all-to-all recomputed in the backward)
 LAYOUTS = {"tp2": (2, 1, 1, 1, None), "cp2": (1, 1, 1, 2, None), "pp2": (1, 1, 2, 1, None),
            "ep2": (1, 2, 1, 1, None), "cp2_recompute": (1, 1, 1, 2, "full"), "tp2_recompute": (2, 1, 1, 1, "full"),
-           "ep2_selective": (1, 2, 1, 1, "selective_all")}
+           "pp2_recompute": (1, 1, 2, 1, "full"), "ep2_selective": (1, 2, 1, 1, "selective_all")}
 
 
 # ---------------------------------------------------------------------------------------------- the data
