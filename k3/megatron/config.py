@@ -13,6 +13,7 @@ import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from k3.config import K3Config
+from k3.megatron.recompute import Recompute
 
 __all__ = ["K3TransformerConfig", "ParallelSizes", "k3_transformer_config"]
 
@@ -65,6 +66,7 @@ def k3_transformer_config(
     dispatcher: str = "alltoall",
     use_cpu_initialization: bool = True,
     perform_initialization: bool = True,
+    recompute: Recompute = Recompute(),
     **overrides,
 ) -> K3TransformerConfig:
     """The megatron config of K3 under ``sizes``.
@@ -72,13 +74,16 @@ def k3_transformer_config(
     Sequence parallelism is on whenever TP > 1 (megatron's MoE requires it with TP). Under context parallelism
     the tokens are in the load-balanced layout of ``k3.megatron.context_parallel``. Routed experts are never
     tensor-parallel (ETP = 1: the shared-outer expert adapters need it). ``dispatcher`` is megatron's token
-    dispatcher, ``alltoall`` (the recipe's) or ``allgather``. ``overrides`` set any other TransformerConfig field.
+    dispatcher, ``alltoall`` (the recipe's) or ``allgather``. ``recompute``: megatron's activation recompute
+    (``k3.megatron.recompute``; default off), checked against the pipeline split. ``overrides`` set any other
+    TransformerConfig field.
     """
     if dispatcher not in ("alltoall", "allgather"):
         raise ValueError(f"dispatcher={dispatcher!r}: expected 'alltoall' or 'allgather'")
     if params_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"params_dtype={params_dtype}: expected torch.float32 or torch.bfloat16")
     _check_divisible(cfg, sizes)
+    recompute.check_stages(_stage_layer_counts(cfg.num_hidden_layers, sizes))
     L = cfg.num_hidden_layers
     moe = [1 if cfg.is_moe_layer(i) else 0 for i in range(L)]
     fields = dict(
@@ -119,6 +124,7 @@ def k3_transformer_config(
         variable_seq_lengths=sizes.pp > 1,
         k3=cfg,
     )
+    fields.update(recompute.config_fields())
     if any(moe):
         fields.update(
             num_moe_experts=cfg.num_experts,
@@ -140,6 +146,21 @@ def k3_transformer_config(
         )
     fields.update(overrides)
     return K3TransformerConfig(**fields)
+
+
+def _stage_layer_counts(num_layers: int, sizes: ParallelSizes) -> list[int]:
+    """Layers per pipeline stage, megatron's split: even, or the given first / last stage counts and the rest
+    spread evenly over the middle stages (a split that does not divide is megatron's to refuse)."""
+    pp = sizes.pp
+    if pp == 1:
+        return [num_layers]
+    first, last = sizes.first_stage_layers, sizes.last_stage_layers
+    if first is None and last is None:
+        return [num_layers // pp] * pp
+    middle = num_layers - (first or 0) - (last or 0)
+    inner = pp - (first is not None) - (last is not None)
+    each = middle // inner if inner else 0
+    return ([first] if first is not None else []) + [each] * inner + ([last] if last is not None else [])
 
 
 def _check_divisible(cfg: K3Config, sizes: ParallelSizes) -> None:

@@ -25,6 +25,15 @@ concatenated ``[front | back]`` on the sequence dim (:func:`split_for_cp_rank`, 
   token count over CP, and its forward-only log-probs are gathered back into sequence order
   (:func:`cp_gather_tokens`).
 
+**Packed sequences (THD) under CP** (``cu_seqlens``: the whole sequences' bounds, ``k3.megatron.packed``): each
+sequence is split as above on its own, so its length must be a positive multiple of ``2·cp`` (the trainer pads
+inside each sequence, after its last token, where padding changes nothing before it), and the rank's stream is
+``[front_0 | back_0 | front_1 | back_1 | …]`` with bounds ``cu_seqlens / cp`` (megatron's THD convention). Every
+primitive takes ``cu_seqlens`` and works per sequence: the conv halos move one tail per sequence and chunk (one
+exchange for all), the KDA state chain carries one state per sequence (the front chunks of all sequences run as one
+packed call, then the back chunks), MLA attends within each sequence over its all-gathered keys, and the split /
+gather helpers cut and reassemble per sequence.
+
 Gradients: every exchange here is an autograd function whose backward sends the gradient back where the
 forward's data came from, so each rank's parameters get their share of the whole sequence's gradient, and
 megatron's DDP reduction over DP × CP sums the shares (with the schedule's ``× cp`` loss scale undoing DDP's
@@ -32,7 +41,9 @@ megatron's DDP reduction over DP × CP sums the shares (with the schedule's ``×
 
 The p2p functions decide whether they take part in the backward by whether their inputs require grad (they
 always do or never do on every CP rank alike, as the ranks run the same layer). The state chain serialises the
-KDA cores across CP ranks; activation recomputation with it was not exercised.
+KDA cores across CP ranks. Under megatron's full recompute every CP rank recomputes the same layer at the same
+point of the backward, so the chain's messages pair up again (tests/parity/test_megatron_packed.py: packed CP2
+with full recompute equals TP1).
 """
 
 from __future__ import annotations
@@ -42,6 +53,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from k3.kernels.kda.fla import fla_available, kda_core
+from k3.megatron.packed import check_bounds, packed_causal_conv
 
 __all__ = [
     "all_gather_sequence",
@@ -51,6 +63,7 @@ __all__ = [
     "cp_gather_tokens",
     "cp_kda_core",
     "cp_local_tokens",
+    "cp_packed_index",
     "cp_token_positions",
     "exchange_halo",
     "merge_cp_shards",
@@ -73,11 +86,46 @@ def _chunk_len(seq: int, cp_size: int) -> int:
     return seq // (2 * cp_size)
 
 
-def split_for_cp_rank(t: torch.Tensor, dim: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+def _packed_chunks(cu_seqlens, cp_size: int) -> torch.Tensor:
+    """Chunk length ``L_n / (2·cp)`` of every packed sequence (host int64 ``[N]``); each ``L_n`` must be a positive
+    multiple of ``2·cp``."""
+    cu = check_bounds(cu_seqlens, what="context parallelism: cu_seqlens")
+    lengths = cu[1:] - cu[:-1]
+    bad = [(n, int(x)) for n, x in enumerate(lengths.tolist()) if x <= 0 or x % (2 * cp_size)]
+    if bad:
+        raise ValueError(f"context parallelism {cp_size} needs every packed sequence to be a positive multiple of "
+                         f"2 x {cp_size} = {2 * cp_size} tokens (load-balanced split), got (sequence, length) "
+                         f"{bad[:4]}; pad inside each sequence")
+    return lengths // (2 * cp_size)
+
+
+def cp_packed_index(cu_seqlens, cp_size: int, cp_rank: int, device=None) -> torch.Tensor:
+    """Positions in the whole packed stream (``cu_seqlens``: whole sequences) of CP rank ``cp_rank``'s tokens, in
+    its local order: for each sequence its chunk ``r`` then its chunk ``2·cp − 1 − r`` (``[T / cp]`` int64)."""
+    cu = check_bounds(cu_seqlens, what="context parallelism: cu_seqlens")
+    chunks = _packed_chunks(cu, cp_size)
+    front, back = cp_chunk_ids(cp_rank, cp_size)
+    parts = []
+    for start, c in zip(cu[:-1].tolist(), chunks.tolist()):
+        parts += [torch.arange(start + front * c, start + (front + 1) * c),
+                  torch.arange(start + back * c, start + (back + 1) * c)]
+    return (torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)).to(device)
+
+
+def _packed_order(cu_seqlens, cp_size: int, device=None) -> torch.Tensor:
+    """Index into the rank-major concatenation of every rank's packed stream that gives the whole stream's order."""
+    held = torch.cat([cp_packed_index(cu_seqlens, cp_size, r) for r in range(cp_size)])
+    return torch.argsort(held).to(device)
+
+
+def split_for_cp_rank(t: torch.Tensor, dim: int, cp_size: int, cp_rank: int, cu_seqlens=None) -> torch.Tensor:
     """This rank's tokens of ``t`` (the whole sequence on ``dim``): chunks ``r`` and ``2·cp − 1 − r``
-    concatenated, ``seq / cp`` tokens. ``cp_size == 1`` returns ``t``."""
+    concatenated, ``seq / cp`` tokens; with ``cu_seqlens`` (packed sequences on ``dim``) the same per sequence.
+    ``cp_size == 1`` returns ``t``."""
     if cp_size == 1:
         return t
+    if cu_seqlens is not None:
+        return t.index_select(dim, cp_packed_index(cu_seqlens, cp_size, cp_rank, t.device))
     c = _chunk_len(t.shape[dim], cp_size)
     front, back = cp_chunk_ids(cp_rank, cp_size)
     return torch.cat([t.narrow(dim, front * c, c), t.narrow(dim, back * c, c)], dim=dim)
@@ -93,11 +141,15 @@ def _global_order(cp_size: int, c: int, device=None) -> torch.Tensor:
     return torch.cat(index)
 
 
-def merge_cp_shards(shards: list[torch.Tensor], dim: int) -> torch.Tensor:
-    """Inverse of :func:`split_for_cp_rank`: every rank's local tensor (rank order) -> the whole sequence."""
+def merge_cp_shards(shards: list[torch.Tensor], dim: int, cu_seqlens=None) -> torch.Tensor:
+    """Inverse of :func:`split_for_cp_rank`: every rank's local tensor (rank order) -> the whole sequence (or, with
+    ``cu_seqlens``, the whole packed stream)."""
     cp = len(shards)
     if cp == 1:
         return shards[0]
+    if cu_seqlens is not None:
+        joined = torch.cat(shards, dim=dim)
+        return joined.index_select(dim, _packed_order(cu_seqlens, cp, joined.device))
     local = shards[0].shape[dim]
     if local % 2 or any(s.shape[dim] != local for s in shards):
         raise ValueError(f"merge_cp_shards: local lengths {[s.shape[dim] for s in shards]}: expected one even "
@@ -112,22 +164,23 @@ def cp_token_positions(seq_local: int, cp_size: int, cp_rank: int, device=None) 
     return split_for_cp_rank(positions, 0, cp_size, cp_rank)
 
 
-def cp_local_tokens(t: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
-    """This CP rank's tokens of a whole-sequence tensor (``[batch, seq]`` inputs, labels, loss mask)."""
+def cp_local_tokens(t: torch.Tensor, group, dim: int = 1, cu_seqlens=None) -> torch.Tensor:
+    """This CP rank's tokens of a whole-sequence tensor (``[batch, seq]`` inputs, labels, loss mask; with
+    ``cu_seqlens``, of a packed ``[1, T]`` one)."""
     if group is None or group.size() == 1:
         return t
-    return split_for_cp_rank(t, dim, group.size(), group.rank())
+    return split_for_cp_rank(t, dim, group.size(), group.rank(), cu_seqlens)
 
 
 @torch.no_grad()
-def cp_gather_tokens(t: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+def cp_gather_tokens(t: torch.Tensor, group, dim: int = 1, cu_seqlens=None) -> torch.Tensor:
     """Inverse of :func:`cp_local_tokens` over the group: every rank's tokens gathered into the whole sequence
     (in order) on every rank, without gradient (per-token log-probs of a forward-only pass)."""
     if group is None or group.size() == 1:
         return t
     pieces = [torch.empty_like(t) for _ in range(group.size())]
     dist.all_gather(pieces, t.contiguous(), group=group)
-    return merge_cp_shards(pieces, dim)
+    return merge_cp_shards(pieces, dim, cu_seqlens)
 
 
 # ---------------------------------------------------------------------------------------------- p2p helpers
@@ -184,7 +237,10 @@ class _HaloExchange(torch.autograd.Function):
     def backward(ctx, g_front_halo: torch.Tensor, g_back_halo: torch.Tensor):
         group = ctx.group
         r, cp = group.rank(), group.size()
-        g_front_tail, g_back_tail = torch.zeros_like(g_front_halo), torch.zeros_like(g_back_halo)
+        # contiguous receive buffers: the halos' gradients may arrive as strided views
+        dense = torch.contiguous_format
+        g_front_tail = torch.zeros_like(g_front_halo, memory_format=dense)
+        g_back_tail = torch.zeros_like(g_back_halo, memory_format=dense)
         sends, recvs = [], []
         if r > 0:
             sends.append((g_front_halo, r - 1))
@@ -204,14 +260,18 @@ def exchange_halo(front_tail: torch.Tensor, back_tail: torch.Tensor, group) -> t
     return _HaloExchange.apply(front_tail, back_tail, group)
 
 
-def cp_causal_conv(inputs: list[torch.Tensor], convs: list[torch.nn.Module], group) -> list[torch.Tensor]:
+def cp_causal_conv(inputs: list[torch.Tensor], convs: list[torch.nn.Module], group,
+                   cu_seqlens=None) -> list[torch.Tensor]:
     """Each ``convs[i]`` (a ``k3.model.kda.CausalConv1d``) over ``inputs[i]`` ``[batch, seq_local, channels_i]``
     in the load-balanced layout, exactly as over the whole sequence; returns ``[batch, seq_local, channels_i]``
-    float32 each. One halo exchange carries all inputs (concatenated on channels)."""
+    float32 each. One halo exchange carries all inputs (concatenated on channels). With ``cu_seqlens`` (whole
+    packed sequences; inputs ``[1, T / cp, channels_i]``) each sequence is convolved on its own."""
     kernel = {conv.kernel_size for conv in convs}
     if len(kernel) != 1:
         raise ValueError(f"cp_causal_conv: the convolutions have different kernel sizes {sorted(kernel)}")
     halo = kernel.pop() - 1
+    if cu_seqlens is not None:
+        return _cp_packed_conv(inputs, convs, group, cu_seqlens, halo)
     seq = inputs[0].shape[1]
     c = seq // 2
     if seq % 2 or c < halo:
@@ -226,6 +286,38 @@ def cp_causal_conv(inputs: list[torch.Tensor], convs: list[torch.nn.Module], gro
         y_front, _ = conv(x[:, :c], front_halo[..., start:end].transpose(1, 2))
         y_back, _ = conv(x[:, c:], back_halo[..., start:end].transpose(1, 2))
         outs.append(torch.cat([y_front, y_back], dim=1))
+        start = end
+    return outs
+
+
+def _cp_packed_conv(inputs, convs, group, cu_seqlens, halo: int) -> list[torch.Tensor]:
+    """:func:`cp_causal_conv` on packed sequences: the halos of every sequence's two chunks in one exchange (the
+    sequences are the exchange's batch), then each chunk convolved after its halo (``packed_causal_conv``)."""
+    cp = group.size()
+    chunks = _packed_chunks(cu_seqlens, cp)
+    local = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(2 * chunks, 0)])  # the rank's bounds
+    n = chunks.numel()
+    if inputs[0].shape[:2] != (1, int(local[-1])):
+        raise ValueError(f"cp_causal_conv: inputs {tuple(inputs[0].shape)}: expected [1, {int(local[-1])}, channels] "
+                         "(this rank's tokens of the packed sequences)")
+    if bool((chunks < halo).any()):
+        raise ValueError(f"cp_causal_conv: packed chunks of {chunks.tolist()[:8]} tokens: each chunk needs at least "
+                         f"kernel - 1 = {halo} tokens (pad each sequence to 2 x {cp} x {halo} tokens or more)")
+    u = torch.cat([x.float() for x in inputs], dim=-1)[0]  # [T_local, channels]
+    device, width = u.device, u.shape[-1]
+    steps = torch.arange(halo)
+    front_end, back_end = local[:-1] + chunks, local[1:]
+    tails = [u.index_select(0, (end.unsqueeze(1) - halo + steps).reshape(-1).to(device)).view(n, halo, width)
+             for end in (front_end, back_end)]
+    front_halo, back_halo = exchange_halo(tails[0], tails[1], group)  # [sequences, kernel − 1, channels]
+    # the rank's 2N chunks in stream order (front_0, back_0, front_1, …) and the history of each
+    chunk_bounds = torch.stack([local[:-1], front_end], dim=1).reshape(-1)
+    chunk_bounds = torch.cat([chunk_bounds, local[-1:]])
+    history = torch.stack([front_halo, back_halo], dim=1).reshape(2 * n, halo, width).transpose(1, 2)
+    outs, start = [], 0
+    for x, conv in zip(inputs, convs):
+        end = start + x.shape[-1]
+        outs.append(packed_causal_conv(x, conv, chunk_bounds, history[:, start:end]))
         start = end
     return outs
 
@@ -279,7 +371,7 @@ class _SendStateAlong(torch.autograd.Function):
 
 
 def cp_kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                scale: float, group, backend: str = "auto") -> torch.Tensor:
+                scale: float, group, backend: str = "auto", cu_seqlens=None) -> torch.Tensor:
     """The KDA core of the whole sequence on this rank's load-balanced tokens; returns ``o`` ``[batch,
     seq_local, heads, V]`` in v's dtype (same inputs as ``k3.kernels.kda.fla.kda_core``, each ``[batch, seq_local,
     …]``: this rank's front chunk then its back chunk).
@@ -288,9 +380,15 @@ def cp_kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     ``fla`` / ``torch`` force one. The torch chain: the front chunk starts from rank ``r − 1``'s front-chunk
     state (zeros on rank 0) and hands its state to rank ``r + 1``; the back chunk starts from rank ``r + 1``'s
     back-chunk state (rank ``cp − 1``: its own front-chunk state) and hands its state to rank ``r − 1``.
+
+    ``cu_seqlens``: whole packed sequences (inputs ``[1, T / cp, …]``, the rank's stream ``[front_0 | back_0 |
+    …]``): the chain carries one state per sequence, the front chunks of all sequences run as one packed call and
+    then the back chunks; fla's CP kernels run one sequence at a time.
     """
     if backend not in ("auto", "fla", "torch"):
         raise ValueError(f"cp_kda_core: backend={backend!r}: expected auto, fla or torch")
+    if cu_seqlens is not None:
+        return _cp_packed_kda(q, k, v, g, beta, scale, group, backend, cu_seqlens)
     seq = q.shape[1]
     if seq % 2:
         raise ValueError(f"cp_kda_core: {seq} local tokens: expected an even number (two chunks per rank)")
@@ -310,6 +408,37 @@ def cp_kda_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     if r > 0:
         o_back = _SendStateAlong.apply(s_back, o_back, r - 1, group)
     return torch.cat([o_front, o_back], dim=1)
+
+
+def _cp_packed_kda(q, k, v, g, beta, scale, group, backend: str, cu_seqlens) -> torch.Tensor:
+    """:func:`cp_kda_core` on packed sequences (see there)."""
+    r, cp = group.rank(), group.size()
+    chunks = _packed_chunks(cu_seqlens, cp)
+    local = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(2 * chunks, 0)])
+    if q.shape[:2] != (1, int(local[-1])):
+        raise ValueError(f"cp_kda_core: q {tuple(q.shape)}: expected [1, {int(local[-1])}, heads, K] (this rank's "
+                         "tokens of the packed sequences)")
+    if backend == "fla" or (backend == "auto" and q.is_cuda and fla_available()):
+        # fla's CP context describes one sequence split over the ranks: one call per sequence
+        outs = [_fla_cp_kda(*(t[:, a:b] for t in (q, k, v, g, beta)), scale, group)
+                for a, b in zip(local[:-1].tolist(), local[1:].tolist())]
+        return torch.cat(outs, dim=1)
+    front_idx = torch.cat([torch.arange(a, a + c) for a, c in zip(local[:-1].tolist(), chunks.tolist())])
+    back_idx = torch.cat([torch.arange(a + c, b) for a, b, c in
+                          zip(local[:-1].tolist(), local[1:].tolist(), chunks.tolist())])
+    bounds = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(chunks, 0)])  # of the front (or back) chunks
+    front = [t.index_select(1, front_idx.to(t.device)) for t in (q, k, v, g, beta)]
+    back = [t.index_select(1, back_idx.to(t.device)) for t in (q, k, v, g, beta)]
+    state_shape = (chunks.numel(), q.shape[2], q.shape[3], v.shape[-1])
+    core = "torch_naive" if int(chunks.max()) == 1 else "torch_chunk"
+    start = _RecvState.apply(state_shape, r - 1, group, *front) if r > 0 else None
+    o_front, s_front = kda_core(*front, scale=scale, initial_state=start, backend=core, cu_seqlens=bounds)
+    start_back = _SwapState.apply(s_front, r + 1, group) if r < cp - 1 else s_front
+    o_back, s_back = kda_core(*back, scale=scale, initial_state=start_back, backend=core, cu_seqlens=bounds)
+    if r > 0:
+        o_back = _SendStateAlong.apply(s_back, o_back, r - 1, group)
+    out = o_front.new_zeros((1, q.shape[1], *o_front.shape[2:]))
+    return out.index_copy(1, front_idx.to(out.device), o_front).index_copy(1, back_idx.to(out.device), o_back)
 
 
 def _fla_cp_kda(q, k, v, g, beta, scale, group) -> torch.Tensor:
@@ -355,24 +484,31 @@ class _AllGatherSeq(torch.autograd.Function):
         return out, None
 
 
-def all_gather_sequence(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """Every rank's load-balanced ``x`` gathered over CP, in sequence order on ``dim`` (with gradient)."""
+def all_gather_sequence(x: torch.Tensor, dim: int, group, cu_seqlens=None) -> torch.Tensor:
+    """Every rank's load-balanced ``x`` gathered over CP, in sequence order on ``dim`` (with gradient); with
+    ``cu_seqlens``, the whole packed stream in order."""
     cp = group.size()
     if cp == 1:
         return x
     seq = x.shape[dim]
     gathered = _AllGatherSeq.apply(x.movedim(dim, 0), group)
-    return gathered.index_select(0, _global_order(cp, seq // 2, x.device)).movedim(0, dim)
+    order = (_global_order(cp, seq // 2, x.device) if cu_seqlens is None
+             else _packed_order(cu_seqlens, cp, x.device))
+    return gathered.index_select(0, order).movedim(0, dim)
 
 
-def cp_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, group) -> torch.Tensor:
+def cp_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, group,
+                        cu_seqlens=None) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence's keys/values.
 
     ``q``/``k``/``v`` ``[batch, heads, seq_local, dim]`` in the load-balanced layout (q/k dim may differ from
     v's). K and V are all-gathered over CP into sequence order; the mask lets the query at global position
-    ``p`` see keys ``0 … p``. Returns ``[batch, heads, seq_local, v_dim]``.
+    ``p`` see keys ``0 … p``. Returns ``[batch, heads, seq_local, v_dim]``. With ``cu_seqlens`` (whole packed
+    sequences, batch 1) each sequence's queries attend over that sequence's keys alone.
     """
     cp, r = group.size(), group.rank()
+    if cu_seqlens is not None:
+        return _cp_packed_attention(q, k, v, scale, group, cu_seqlens)
     seq_local = q.shape[2]
     _chunk_len(seq_local * cp, cp)
     k_all = all_gather_sequence(k, 2, group)
@@ -381,3 +517,26 @@ def cp_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     k_pos = torch.arange(seq_local * cp, device=q.device)
     mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)  # [seq_local, seq]: True = attend
     return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=scale)
+
+
+def _cp_packed_attention(q, k, v, scale, group, cu_seqlens) -> torch.Tensor:
+    """:func:`cp_causal_attention` on packed sequences: one masked attention per sequence (its local queries over
+    its gathered keys), so the work is the sequences' own, not the whole stream's."""
+    cp, r = group.size(), group.rank()
+    cu = check_bounds(cu_seqlens, what="cp_causal_attention: cu_seqlens")
+    chunks = _packed_chunks(cu, cp)
+    local = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(2 * chunks, 0)])
+    if q.shape[0] != 1 or q.shape[2] != int(local[-1]):
+        raise ValueError(f"cp_causal_attention: q {tuple(q.shape)}: expected [1, heads, {int(local[-1])}, dim] (this "
+                         "rank's tokens of the packed sequences)")
+    k_all = all_gather_sequence(k, 2, group, cu)
+    v_all = all_gather_sequence(v, 2, group, cu)
+    outs = []
+    for n in range(chunks.numel()):
+        a, b, start, end = int(local[n]), int(local[n + 1]), int(cu[n]), int(cu[n + 1])
+        q_pos = cp_token_positions(b - a, cp, r, q.device)
+        k_pos = torch.arange(end - start, device=q.device)
+        mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
+        outs.append(F.scaled_dot_product_attention(q[:, :, a:b], k_all[:, :, start:end], v_all[:, :, start:end],
+                                                   attn_mask=mask, scale=scale))
+    return torch.cat(outs, dim=2)

@@ -5,6 +5,10 @@ Each TP rank owns ``heads / tp`` KDA heads: the q/k/v/g/f_b/b projections, short
 row-parallel. The heads are independent, so the recurrence runs locally on the full sequence (gathered from
 the sequence-parallel shards when entering the TP region).
 
+Packed sequences (``packed_seq_params``, ``k3.megatron.packed``): the short convs restart from a zero history and
+the core from a zero state at every sequence boundary (fla's varlen ``cu_seqlens`` on CUDA, the torch forms per
+sequence elsewhere).
+
 Under context parallelism the rank holds two chunks of each sequence (the load-balanced layout of
 ``k3.megatron.context_parallel``): the short convs take their ``kernel − 1`` halo inputs from the neighbour
 ranks and the core runs the whole sequence's recurrence (``cp_kda_core``: the state chain on the torch path,
@@ -25,6 +29,8 @@ from k3.kernels.kda.fla import kda_core
 from k3.megatron.config import K3TransformerConfig
 from k3.megatron.context_parallel import cp_causal_conv, cp_kda_core
 from k3.megatron.linears import ColumnParallel, DuplicatedLinear, RowParallel, enter_tp_region, mark_grad_sum
+from k3.megatron.packed import packed_causal_conv, sequence_bounds
+from k3.megatron.recompute import checkpointed
 from k3.megatron.sharded_state import tp_sharded_state_dict
 from k3.model.kda import CausalConv1d, kda_gate, l2_normalize
 from k3.model.norm import GatedRMSNorm
@@ -86,16 +92,22 @@ class K3KDAttention(KeepsFloat32, MegatronModule):
         dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden [s/tp, b, hidden]`` (normed) -> attention output, same layout (``s``: this CP rank's tokens)."""
+    def forward(self, hidden: torch.Tensor, packed_seq_params=None) -> torch.Tensor:
+        """``hidden [s/tp, b, hidden]`` (normed) -> attention output, same layout (``s``: this CP rank's tokens).
+        ``packed_seq_params``: megatron's THD bounds of the packed sequences (batch 1), or None."""
         x = enter_tp_region(hidden, self.config, self.tp_group).transpose(0, 1).contiguous()  # [b, s, hidden]
         b, s, _ = x.shape
+        cu = sequence_bounds(packed_seq_params)
+        if cu is not None and b != 1:
+            raise ValueError(f"KDA: packed sequences come as one row, got batch {b}")
         heads = (b, s, self.num_heads, self.head_dim)
         cp = self.cp_group is not None and self.cp_group.size() > 1
         inputs = [self.q_proj(x), self.k_proj(x), self.v_proj(x)]
         convs: list[CausalConv1d] = [self.q_conv1d, self.k_conv1d, self.v_conv1d]
         if cp:
-            ys = cp_causal_conv(inputs, convs, self.cp_group)
+            ys = cp_causal_conv(inputs, convs, self.cp_group, cu)
+        elif cu is not None:
+            ys = [packed_causal_conv(u, conv, cu) for u, conv in zip(inputs, convs)]
         else:
             ys = [conv(u, None)[0] for u, conv in zip(inputs, convs)]
         q, k, v = (F.silu(y).to(x.dtype).view(heads) for y in ys)
@@ -103,10 +115,13 @@ class K3KDAttention(KeepsFloat32, MegatronModule):
         g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(heads), self.A_log, self.dt_bias, self.lower_bound)
         beta = torch.sigmoid(self.b_proj(x).float())
         scale = self.head_dim**-0.5
-        if cp:
-            o = cp_kda_core(q, k, v, g, beta, scale, self.cp_group)
-        else:
-            o, _ = kda_core(q, k, v, g, beta, scale=scale)
+
+        def core(q, k, v, g, beta):
+            if cp:
+                return cp_kda_core(q, k, v, g, beta, scale, self.cp_group, cu_seqlens=cu)
+            return kda_core(q, k, v, g, beta, scale=scale, cu_seqlens=cu)[0]
+
+        o = checkpointed(self.config, "core_attn", self.training, core, q, k, v, g, beta)
         o = self.o_norm(o, self.g_proj(x).view(heads), out_dtype=x.dtype)
         return self.o_proj(o.reshape(b, s, -1).transpose(0, 1).contiguous())
 

@@ -12,7 +12,10 @@ number of rows is fixed by the layer index (``ceil(first_layer / block_size)`` b
 a wrong width fails loudly instead of being reinterpreted.
 
 Under context parallelism nothing here changes: the mixes are per token (each bank row and the partial sum are
-``[s, b, hidden]`` over the same local tokens), so they run on the rank's load-balanced tokens as they are.
+``[s, b, hidden]`` over the same local tokens), so they run on the rank's load-balanced tokens as they are. The same
+holds for packed sequences (megatron's THD ``packed_seq_params``): the layer hands the bounds to its attention and
+nothing else of it looks across tokens (``k3.megatron.packed``). Activation recompute is megatron's
+(``k3.megatron.recompute``): whole layers under ``full``, the listed parts under ``selective``.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from torch import nn
 
 from k3.megatron.config import K3TransformerConfig
 from k3.megatron.linears import mark_sequence_parallel
+from k3.megatron.moe import K3LatentMoE
+from k3.megatron.recompute import checkpointed
 from k3.model.attn_res import attn_res_mix
 from k3.model.norm import RMSNorm
 
@@ -116,12 +121,14 @@ class K3TransformerLayer(MegatronModule, BaseTransformerLayer):
                 **_unused) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``hidden_states``: the partial sum ``[s/tp, b, hidden]`` (or the packed stage input); ``context``: the
         bank ``[n, s/tp, b, hidden]`` or None. Returns the next ``(partial, bank)``."""
-        if packed_seq_params is not None or inference_context is not None:
-            raise NotImplementedError("K3 megatron layers take unpacked [seq, batch] inputs without an inference "
-                                      "context (packed sequences and megatron inference are not supported)")
         if attention_mask is not None:
-            raise NotImplementedError("K3 megatron layers are causal and take no attention_mask; pad on the right")
+            raise ValueError("K3 megatron layers take no attention_mask: attention is causal, padding goes on the "
+                             "right, and packed sequences carry their boundaries in packed_seq_params (cu_seqlens)")
+        if inference_context is not None:
+            raise ValueError("K3 megatron layers take no inference_context: the megatron backend trains and scores "
+                             "whole sequences; generation runs in the rollout engine")
         partial, bank = self._unpack(hidden_states) if self.unpack_input else (hidden_states, context)
+        config, training = self.config, self.training
 
         def mix(candidate: torch.Tensor, norm: RMSNorm, proj: nn.Linear) -> torch.Tensor:
             rows = [] if bank is None else list(bank.unbind(0))
@@ -130,10 +137,13 @@ class K3TransformerLayer(MegatronModule, BaseTransformerLayer):
         a = partial if bank is None else mix(partial, self.self_attention_res_norm, self.self_attention_res_proj)
         if self.block_start:
             bank = partial.unsqueeze(0) if bank is None else torch.cat([bank, partial.unsqueeze(0)])
-        o = self.self_attention(self.input_layernorm(a))
+        o = self.self_attention(checkpointed(config, "layernorm", training, self.input_layernorm, a),
+                                packed_seq_params=packed_seq_params)
         partial = o if self.block_start else partial + o
         m = mix(partial, self.mlp_res_norm, self.mlp_res_proj)
-        partial = partial + self.mlp(self.pre_mlp_layernorm(m))
+        ffn = "moe" if isinstance(self.mlp, K3LatentMoE) else "mlp"
+        normed = checkpointed(config, "layernorm", training, self.pre_mlp_layernorm, m)
+        partial = partial + checkpointed(config, ffn, training, self.mlp, normed)
         if self.is_last:
             return mix(partial, self.output_attn_res_norm, self.output_attn_res_proj), None
         if self.pack_output:

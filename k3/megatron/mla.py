@@ -5,6 +5,9 @@ so K3 keeps its own: the latent projections ``q_a``/``kv_a`` are duplicated on e
 ``g_proj`` are column-parallel by head, ``o_proj`` is row-parallel; the shared 64-wide key slice ``k_r`` is
 broadcast to the rank's heads. Attention is causal over the full sequence (right padding needs no mask).
 
+Packed sequences (``packed_seq_params``): attention is causal within each sequence (``packed_causal_attention``:
+torch's FlashAttention varlen kernel on CUDA in BF16, one causal SDPA per sequence elsewhere).
+
 Under context parallelism the rank's queries are its two load-balanced chunks (``k3.megatron.context_parallel``)
 and attend over the K/V of the whole sequence, all-gathered over CP, with the causal mask of the tokens'
 global positions (``cp_causal_attention``); the projections and the output gate are per token.
@@ -19,6 +22,8 @@ from megatron.core.transformer.module import MegatronModule
 from k3.megatron.config import K3TransformerConfig
 from k3.megatron.context_parallel import cp_causal_attention
 from k3.megatron.linears import ColumnParallel, DuplicatedLinear, RowParallel, enter_tp_region, mark_grad_sum
+from k3.megatron.packed import packed_causal_attention, sequence_bounds
+from k3.megatron.recompute import checkpointed
 from k3.megatron.sharded_state import tp_sharded_state_dict
 from k3.model.norm import RMSNorm
 
@@ -57,10 +62,14 @@ class K3MLAttention(MegatronModule):
         mark_grad_sum(self.q_a_layernorm.weight, "tp")
         mark_grad_sum(self.kv_a_layernorm.weight, "tp")
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden [s/tp, b, hidden]`` (normed) -> attention output, same layout (``s``: this CP rank's tokens)."""
+    def forward(self, hidden: torch.Tensor, packed_seq_params=None) -> torch.Tensor:
+        """``hidden [s/tp, b, hidden]`` (normed) -> attention output, same layout (``s``: this CP rank's tokens).
+        ``packed_seq_params``: megatron's THD bounds of the packed sequences (batch 1), or None."""
         x = enter_tp_region(hidden, self.config, self.tp_group).transpose(0, 1).contiguous()  # [b, s, hidden]
         b, s, _ = x.shape
+        cu = sequence_bounds(packed_seq_params)
+        if cu is not None and b != 1:
+            raise ValueError(f"MLA: packed sequences come as one row, got batch {b}")
         nh = self.num_heads
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(b, s, nh, -1)
         c_kv, k_shared = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
@@ -68,10 +77,16 @@ class K3MLAttention(MegatronModule):
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_shared.unsqueeze(2).expand(b, s, nh, self.rope_dim)], dim=-1)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if self.cp_group is not None and self.cp_group.size() > 1:
-            o = cp_causal_attention(q, k, v, self.scale, self.cp_group)
-        else:
-            o = causal_attention(q, k, v, self.scale)
+        cp = self.cp_group is not None and self.cp_group.size() > 1
+
+        def core(q, k, v):
+            if cp:
+                return cp_causal_attention(q, k, v, self.scale, self.cp_group, cu_seqlens=cu)
+            if cu is not None:
+                return packed_causal_attention(q, k, v, self.scale, cu)
+            return causal_attention(q, k, v, self.scale)
+
+        o = checkpointed(self.config, "core_attn", self.training, core, q, k, v)
         o = o.transpose(1, 2).reshape(b, s, nh * self.v_dim) * torch.sigmoid(self.g_proj(x))
         return self.o_proj(o.transpose(0, 1).contiguous())
 

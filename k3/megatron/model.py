@@ -2,7 +2,8 @@
 
 ``GPTModel`` gives the vocab-parallel embedding and LM head, the pipeline-stage plumbing and the loss
 (vocab-parallel cross entropy when ``labels`` are passed); the decoder is ``get_k3_spec``'s. No position
-embedding (K3 has none), untied head.
+embedding (K3 has none), untied head. Packed sequences pass through as megatron's ``packed_seq_params``
+(``k3.megatron.packed``); activation recompute is megatron's (``k3.megatron.recompute``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
 from k3.megatron.config import K3TransformerConfig
+from k3.megatron.recompute import require_decoder_input_grad
 from k3.megatron.spec import get_k3_spec
 
 __all__ = ["k3_model_provider"]
@@ -30,7 +32,7 @@ def k3_model_provider(config: K3TransformerConfig, pre_process: bool | None = No
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage()
     cfg = config.k3
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=get_k3_spec(config),
         vocab_size=cfg.vocab_size,
@@ -41,3 +43,6 @@ def k3_model_provider(config: K3TransformerConfig, pre_process: bool | None = No
         share_embeddings_and_output_weights=False,
         position_embedding_type="none",
     )
+    if pre_process and config.recompute_granularity is not None:
+        require_decoder_input_grad(model)  # megatron's checkpoints are reentrant (k3.megatron.recompute)
+    return model

@@ -26,6 +26,7 @@ from torch import nn
 from k3.megatron.config import K3TransformerConfig
 from k3.megatron.linears import GroupedExpertLinear, init_normal, mark_sequence_parallel
 from k3.megatron.mlp import K3SharedExperts
+from k3.megatron.recompute import checkpointed
 from k3.megatron.sharded_state import expert_sharded_state_dict
 from k3.model.mlp import situ
 from k3.model.norm import RMSNorm
@@ -131,5 +132,5 @@ class K3LatentMoE(MegatronModule):
             u = self.routed_expert_norm(u)
         y = self.fc2_latent_proj(u)
         if self.shared_experts is not None:
-            y = y + self.shared_experts(hidden)
+            y = y + checkpointed(self.config, "shared_experts", self.training, self.shared_experts, hidden)
         return y

@@ -11,6 +11,11 @@ adapter factors. ``MegatronLoRATrainer``:
   shares over micro-batches and data-parallel ranks. The default, ``token_mean_loss``, is megatron's
   convention: the token-mean of each micro-batch, averaged over micro-batches and data-parallel ranks.
 - ``forward(micro_batches)`` is the same forward without gradients (log-probs of rollout tokens).
+
+A micro-batch is either padded rows ``[batch, seq]`` (every micro-batch of a call the same shape) or packed
+sequences: one row ``[1, T]`` holding whole sequences back to back with their bounds ``cu_seqlens``, handed to the
+model as megatron's THD ``packed_seq_params`` (``k3.megatron.packed``); packed micro-batches of a call may differ
+in length (megatron's schedule exchanges shapes between pipeline stages: ``variable_seq_lengths``).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from k3.megatron.context_parallel import cp_gather_tokens, cp_local_tokens
 from k3.megatron.grads import finalize_k3_model_grads
 from k3.megatron.lora import apply_megatron_lora
 from k3.megatron.model import k3_model_provider
+from k3.megatron.packed import check_bounds, packed_seq_params
 from k3.settings.lora import LoRAConfig
 
 __all__ = ["LossContext", "LossFn", "MegatronLoRATrainer", "MicroBatch", "TokenOutputs", "build_lora_trainer",
@@ -42,16 +48,28 @@ __all__ = ["LossContext", "LossFn", "MegatronLoRATrainer", "MicroBatch", "TokenO
 class MicroBatch:
     """One micro-batch: ``input_ids``/``labels`` ``[batch, seq]`` long, ``loss_mask`` ``[batch, seq]`` float (1
     where the token's loss counts; pad on the right). ``extra``: whatever else a loss function reads (e.g.
-    old log-probs ``[batch, seq]``, advantages ``[batch]``); moved to the model's device with the rest."""
+    old log-probs ``[batch, seq]``, advantages ``[batch]``); moved to the model's device with the rest.
+
+    ``cu_seqlens``: packed sequences — the tensors are one row ``[1, T]`` and sequence ``n`` is tokens
+    ``cu_seqlens[n]:cu_seqlens[n+1]`` (host int64 ``[N + 1]``, whole sequences, ending at ``T``); None: padded
+    rows. Under context parallelism every packed sequence is a multiple of ``2·CP`` tokens long."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
     loss_mask: torch.Tensor
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    cu_seqlens: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.cu_seqlens is not None:
+            if self.input_ids.dim() != 2 or self.input_ids.shape[0] != 1:
+                raise ValueError(f"MicroBatch: packed sequences (cu_seqlens) come as one row [1, T], got input_ids "
+                                 f"{tuple(self.input_ids.shape)}")
+            self.cu_seqlens = check_bounds(self.cu_seqlens, self.input_ids.shape[1], "MicroBatch.cu_seqlens")
 
     def to(self, device: torch.device) -> MicroBatch:
         return MicroBatch(self.input_ids.to(device), self.labels.to(device), self.loss_mask.to(device),
-                          {k: v.to(device) for k, v in self.extra.items()})
+                          {k: v.to(device) for k, v in self.extra.items()}, self.cu_seqlens)
 
 
 @dataclass
@@ -121,22 +139,33 @@ def token_outputs(logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool
 
 
 def _cp_local(mb: MicroBatch) -> MicroBatch:
-    """This context-parallel rank's tokens of ``mb`` (the load-balanced split of ``k3.megatron.context_parallel``):
-    the ids, labels, mask and every ``extra`` tensor shaped ``[batch, seq]`` like them; per-sequence extras
-    (e.g. advantages ``[batch]``) stay whole. The whole ``mb`` at CP 1."""
+    """This context-parallel rank's tokens of ``mb`` (the load-balanced split of ``k3.megatron.context_parallel``,
+    per sequence when packed): the ids, labels, mask and every ``extra`` tensor shaped ``[batch, seq]`` like them;
+    per-sequence extras (e.g. advantages ``[batch]``) stay whole, and so do the packed bounds (the layers take
+    the whole sequences'). The whole ``mb`` at CP 1."""
     if parallel_state.get_context_parallel_world_size() == 1:
         return mb
     group, shape = parallel_state.get_context_parallel_group(), mb.input_ids.shape
 
     def cut(t: torch.Tensor) -> torch.Tensor:
-        return cp_local_tokens(t, group) if t.shape[:2] == shape else t
+        return cp_local_tokens(t, group, cu_seqlens=mb.cu_seqlens) if t.shape[:2] == shape else t
 
-    return MicroBatch(cut(mb.input_ids), cut(mb.labels), cut(mb.loss_mask), {k: cut(v) for k, v in mb.extra.items()})
+    local = [cut(mb.input_ids), cut(mb.labels), cut(mb.loss_mask), {k: cut(v) for k, v in mb.extra.items()}]
+    out = MicroBatch(*local)
+    out.cu_seqlens = mb.cu_seqlens  # the whole sequences' bounds (set after the row-length check of the init)
+    return out
 
 
 def _check_shapes(micro_batches: Sequence[MicroBatch], what: str) -> tuple[int, int]:
+    """``(rows, seq)`` for megatron's schedule: the one shape of padded micro-batches, or ``(1, longest T)`` of
+    packed ones (their lengths may differ)."""
     if not micro_batches:
         raise ValueError(f"{what}: no micro-batches")
+    packed = {mb.cu_seqlens is not None for mb in micro_batches}
+    if len(packed) != 1:
+        raise ValueError(f"{what}: some micro-batches are packed (cu_seqlens) and some padded; use one form per call")
+    if packed.pop():
+        return 1, max(mb.input_ids.shape[1] for mb in micro_batches)
     shapes = {tuple(mb.input_ids.shape) for mb in micro_batches}
     if len(shapes) != 1:
         raise ValueError(f"{what}: micro-batches have different shapes {sorted(shapes)}; pad them to one")
@@ -165,7 +194,8 @@ class MegatronLoRATrainer:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            logits = model(mb.input_ids, None, None)  # [b, s, vocab/tp] on the last stage
+            packed = None if mb.cu_seqlens is None else packed_seq_params(mb.cu_seqlens, device)
+            logits = model(mb.input_ids, None, None, packed_seq_params=packed)  # [b, s, vocab/tp] on the last stage
             return logits, partial(loss_func, mb)
 
         return get_forward_backward_func()(
@@ -251,14 +281,15 @@ class MegatronLoRATrainer:
         pp_group = parallel_state.get_pipeline_model_parallel_group()
         last = parallel_state.is_pipeline_last_stage()
         outs = []
-        for k in range(len(micro_batches)):
-            lp = stored[k]["log_probs"] if last else torch.empty((b, s), dtype=torch.float32, device=device)
+        for k, mb in enumerate(micro_batches):
+            shape = tuple(mb.input_ids.shape)
+            lp = stored[k]["log_probs"] if last else torch.empty(shape, dtype=torch.float32, device=device)
             ent = stored[k].get("entropy") if last else (
-                torch.empty((b, s), dtype=torch.float32, device=device) if with_entropy else None)
+                torch.empty(shape, dtype=torch.float32, device=device) if with_entropy else None)
             if last:  # under CP each rank holds its tokens: back into sequence order
                 cp_group = parallel_state.get_context_parallel_group()
-                lp = cp_gather_tokens(lp, cp_group)
-                ent = None if ent is None else cp_gather_tokens(ent, cp_group)
+                lp = cp_gather_tokens(lp, cp_group, cu_seqlens=mb.cu_seqlens)
+                ent = None if ent is None else cp_gather_tokens(ent, cp_group, cu_seqlens=mb.cu_seqlens)
             if dist.get_world_size(pp_group) > 1:
                 src = parallel_state.get_pipeline_model_parallel_last_rank()
                 dist.broadcast(lp, src=src, group=pp_group)

@@ -82,6 +82,7 @@ def policy_loss(
     eps_clip: float = 0.2,
     eps_clip_high: float = 0.28,
     num_tokens: int | torch.Tensor | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> PolicyLoss:
     """Asymmetric PPO-clip loss, token-level mean.
 
@@ -89,6 +90,8 @@ def policy_loss(
     advantages: the same shape, or [batch] to broadcast over each sample's tokens. ``num_tokens`` is the
     number of response tokens in the *global* batch: pass it when the batch is split into micro-batches so
     their gradients add up to the global token mean; by default this call's ``loss_mask.sum()`` is used.
+    ``token_weights`` (same shape, 0 off the mask) replaces ``1 / num_tokens`` per token: the loss and the
+    diagnostics are ``Σ w·x`` (e.g. the recipe's per-sample mean, ``k3.megatron.packing.sample_mean_weights``).
     """
     if log_probs.shape != old_log_probs.shape or log_probs.shape != loss_mask.shape:
         raise ValueError(
@@ -113,6 +116,16 @@ def policy_loss(
     unclipped = -ratio * advantages
     clipped = -ratio.clamp(1 - eps_clip, 1 + eps_clip_high) * advantages
     per_token = torch.where(keep, torch.maximum(unclipped, clipped), 0.0)
+    if token_weights is not None:
+        if token_weights.shape != log_probs.shape or num_tokens is not None:
+            raise ValueError(f"token_weights {tuple(token_weights.shape)} must match log_probs "
+                             f"{tuple(log_probs.shape)}, and replaces num_tokens (pass one of them)")
+        w = torch.where(keep, token_weights.detach().to(log_probs.dtype), 0.0)
+        loss = (per_token * w).sum()
+        with torch.no_grad():
+            clipfrac = (((clipped > unclipped) & keep).to(log_probs.dtype) * w).sum()
+            kl = -(log_ratio * w).sum()
+        return PolicyLoss(loss=loss, pg_loss=loss.detach(), pg_clipfrac=clipfrac, ppo_kl=kl)
     if num_tokens is None:
         denom = keep.sum().to(log_probs.dtype)
     else:

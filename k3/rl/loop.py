@@ -318,12 +318,15 @@ def _grpo_config(r: ResolvedConfig) -> GRPOConfig:
 
 
 def worker_spec(r: ResolvedConfig) -> WorkerSpec:
-    a = r.args
+    a, t = r.args, r.training
     device = "cuda" if r.uses_gpus and torch.cuda.is_available() else "cpu"
     return WorkerSpec(model_dir=str(a.hf_checkpoint), lora_rank=a.lora_rank, lora_alpha=float(a.lora_alpha),
                       lora_dropout=a.lora_dropout, target_modules=tuple(a.target_modules), device=device,
                       dtype="bfloat16" if device == "cuda" else "float32", seed=a.seed,
-                      expert_lora_kernel=a.expert_lora_kernel, transfer_buffer=a.lora_transfer_buffer)
+                      expert_lora_kernel=a.expert_lora_kernel, transfer_buffer=a.lora_transfer_buffer,
+                      # the recipe's perf settings as resolved_config prints them (the megatron trainer applies them)
+                      use_dynamic_batch_size=t.use_dynamic_batch_size, recompute_granularity=t.recompute_granularity,
+                      recompute_method=t.recompute_method, recompute_num_layers=t.recompute_num_layers)
 
 
 def _wandb_run(r: ResolvedConfig):

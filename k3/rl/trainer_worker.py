@@ -45,7 +45,9 @@ class TrainerWorker:
             self.policy = build_megatron_policy(
                 spec.model_dir, spec.lora_config(), self.tokenizer.pad_id, grpo, max_tokens_per_micro_batch,
                 parallel=spec.parallel, ref_load=spec.ref_load, dtype=spec.torch_dtype(), seed=spec.seed,
-                stage_layers=spec.stage_layers, expert_lora_kernel=spec.expert_lora_kernel)
+                stage_layers=spec.stage_layers, expert_lora_kernel=spec.expert_lora_kernel,
+                use_dynamic_batch_size=spec.use_dynamic_batch_size, recompute_granularity=spec.recompute_granularity,
+                recompute_method=spec.recompute_method, recompute_num_layers=spec.recompute_num_layers)
         elif spec.backend == "torch":
             self.policy = PolicyTrainer(load_lora_model(spec), pad_id=self.tokenizer.pad_id, grpo=grpo,
                                         max_tokens_per_micro_batch=max_tokens_per_micro_batch, device=spec.device)

@@ -26,16 +26,18 @@ from layout_parity import assert_adapters_equal, assert_gradients_equal, assert_
 LAYOUTS = {"cp2": (1, 1, 1, 2), "tp2xcp2": (2, 1, 1, 2), "pp2xcp2": (1, 1, 2, 2), "pp2xtp2": (2, 1, 2, 1)}
 STEPS = 3
 PRIMITIVE_CP = 4
+# packed sequences at CP4: multiples of 2·4 tokens, each of the 8 chunks at least the conv halo (3 tokens)
+PACKED_LENGTHS = (24, 40, 32)
 
 
 # ---------------------------------------------------------------------------------------------- the workers
-def _primitive_inputs(s: int = 32, d: int = 8, device: str = "cpu"):
-    """Whole-sequence inputs of the CP primitives, identical on every rank (fixed seed): 2 rows of ``s`` tokens,
+def _primitive_inputs(s: int = 32, d: int = 8, device: str = "cpu", b: int = 2):
+    """Whole-sequence inputs of the CP primitives, identical on every rank (fixed seed): ``b`` rows of ``s`` tokens,
     2 heads of KDA head dim ``d``."""
     from k3.model.kda import CausalConv1d, l2_normalize
 
     gen = torch.Generator().manual_seed(3)
-    b, h = 2, 2
+    h = 2
 
     def rnd(*shape):
         return torch.randn(*shape, generator=gen).to(device)
@@ -136,6 +138,91 @@ def _check_primitives(cp: int = PRIMITIVE_CP, s: int = 32, d: int = 8, device: s
     return {k: max(e[k] for e in worst) for k in errs}
 
 
+def _check_packed_primitives(cp: int = PRIMITIVE_CP, lengths: tuple[int, ...] = PACKED_LENGTHS, d: int = 8,
+                             device: str = "cpu",
+                             kda_backends: tuple[tuple[str, str], ...] = (("torch", "torch_chunk"),)) -> dict:
+    """The CP primitives on packed sequences (``cu_seqlens``: the whole sequences' bounds; each sequence split over
+    the ranks on its own) == the whole-stream packed computation (``kda_core`` / ``packed_causal_conv`` /
+    ``packed_causal_attention`` with the same bounds), forward and every input gradient; max rel. error over the
+    ranks."""
+    import itertools
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from k3.kernels.kda.fla import kda_core
+    from k3.megatron.config import ParallelSizes
+    from k3.megatron.context_parallel import (
+        cp_causal_attention,
+        cp_causal_conv,
+        cp_kda_core,
+        cp_local_tokens,
+        merge_cp_shards,
+    )
+    from k3.megatron.packed import packed_causal_attention, packed_causal_conv
+    from k3.megatron.parallel import init_parallel
+
+    init_parallel(ParallelSizes(cp=cp))
+    group = parallel_state.get_context_parallel_group()
+    cu = torch.tensor([0, *itertools.accumulate(lengths)])
+    kda, convs, conv_in, attn, w = _primitive_inputs(int(cu[-1]), d, device, b=1)
+    errs: dict[str, float] = {}
+
+    def local(t, dim=1):
+        return cp_local_tokens(t, group, dim, cu_seqlens=cu)
+
+    names = ["q", "k", "v", "g", "beta"]
+    for cp_backend, ref_backend in kda_backends:
+        tag = "kda" if cp_backend == "torch" and device == "cpu" else f"kda_{cp_backend}"
+        full_o, full_g, _ = _grads_of(
+            lambda *x, rb=ref_backend: (o := kda_core(*x, scale=0.3, backend=rb, cu_seqlens=cu)[0],
+                                        (o * w["kda"]).sum()),
+            [kda[n] for n in names])
+        cp_o, cp_g, _ = _grads_of(
+            lambda *x, cb=cp_backend: (o := cp_kda_core(*x, 0.3, group, backend=cb, cu_seqlens=cu),
+                                       (o * local(w["kda"])).sum()),
+            [local(kda[n]) for n in names])
+        errs[f"{tag}_out"] = rel(cp_o[0], local(full_o[0]))
+        for n, a, b in zip(names, cp_g, full_g):
+            errs[f"{tag}_grad_{n}"] = rel(a, local(b))
+        pieces = [torch.empty_like(cp_o[0]) for _ in range(group.size())]
+        dist.all_gather(pieces, cp_o[0].detach().contiguous(), group=group)
+        errs[f"{tag}_merged"] = rel(merge_cp_shards(pieces, 1, cu), full_o[0])
+
+    def conv_loss(outs, ws):
+        return sum((y * wt).sum() for y, wt in zip(outs, ws))
+
+    params = [c.weight for c in convs]
+    full_y, full_gx, full_gw = _grads_of(
+        lambda *x: (ys := [packed_causal_conv(xi, c, cu) for c, xi in zip(convs, x)], conv_loss(ys, w["conv"])),
+        conv_in, params)
+    for p in params:
+        p.grad = None
+    cp_y, cp_gx, cp_gw = _grads_of(
+        lambda *x: (ys := cp_causal_conv(list(x), convs, group, cu), conv_loss(ys, [local(t) for t in w["conv"]])),
+        [local(t) for t in conv_in], params)
+    for i in range(2):
+        errs[f"conv_out_{i}"] = rel(cp_y[0][i], local(full_y[0][i]))
+        errs[f"conv_grad_x_{i}"] = rel(cp_gx[i], local(full_gx[i]))
+        dist.all_reduce(cp_gw[i], group=group)
+        errs[f"conv_grad_w_{i}"] = rel(cp_gw[i], full_gw[i])
+
+    names = ["q", "k", "v"]
+    full_a, full_ga, _ = _grads_of(
+        lambda *x: (o := packed_causal_attention(*x, 0.25, cu, backend="sequences"), (o * w["attn"]).sum()),
+        [attn[n] for n in names])
+    cp_a, cp_ga, _ = _grads_of(
+        lambda *x: (o := cp_causal_attention(*x, 0.25, group, cu_seqlens=cu), (o * local(w["attn"], 2)).sum()),
+        [local(attn[n], 2) for n in names])
+    errs["attn_out"] = rel(cp_a[0], local(full_a[0], 2))
+    for n, a, b in zip(names, cp_ga, full_ga):
+        errs[f"attn_grad_{n}"] = rel(a, local(b, 2))
+    parallel_state.destroy_model_parallel()
+    worst = [None] * dist.get_world_size()
+    dist.all_gather_object(worst, errs)
+    return {k: max(e[k] for e in worst) for k in errs}
+
+
 def _worker(mode: str, out_path: str) -> None:
     import torch.distributed as dist
 
@@ -145,9 +232,13 @@ def _worker(mode: str, out_path: str) -> None:
         megatron_compat.install()
     import test_megatron_parallel as harness
 
-    if mode == "gpu":  # 2 GPUs over NCCL: fla's CP kernels and the torch chain / halos / gathers on CUDA
+    if mode in ("gpu", "gpu_packed"):  # 2 GPUs over NCCL: fla's CP kernels and the torch chain / halos / gathers
         backends = (("fla", "fla"), ("torch", "torch_chunk"))
-        results = {"primitives": _check_primitives(cp=2, s=256, d=64, device="cuda", kda_backends=backends)}
+        if mode == "gpu":
+            results = {"primitives": _check_primitives(cp=2, s=256, d=64, device="cuda", kda_backends=backends)}
+        else:
+            results = {"packed_primitives": _check_packed_primitives(cp=2, lengths=(64, 128, 52, 12), d=64,
+                                                                     device="cuda", kda_backends=backends)}
         if dist.get_rank() == 0:
             torch.save(results, out_path)
         dist.barrier()
@@ -156,7 +247,7 @@ def _worker(mode: str, out_path: str) -> None:
     if mode == "tp1":
         results = {"tp1": harness._run_layout(1, 1, 1, cfg, ref, batches)}
     else:
-        results = {"primitives": _check_primitives()}
+        results = {"primitives": _check_primitives(), "packed_primitives": _check_packed_primitives()}
         for name, (tp, ep, pp, cp) in LAYOUTS.items():
             results[name] = harness._run_layout(tp, ep, pp, cfg, ref, batches, cp=cp)
     if dist.get_rank() == 0:
@@ -203,6 +294,30 @@ def test_cp2_primitives_on_two_gpus_fla_and_torch_chain(tmp_path):
     assert len(errs) == 24  # 7 fla, 7 torch-chain, 6 conv, 4 attention checks
     for name, err in errs.items():
         # fla's chunk matmuls run in TF32 (k3.kernels.kda.fla: chunk_kda vs torch 6e-4 outputs, 2e-3 state)
+        assert err < (1e-2 if name.startswith("kda_fla") else 1e-4), (name, err)
+
+
+def test_cp4_packed_primitives_equal_the_whole_stream(results):
+    # each packed sequence split over the 4 ranks on its own: the per-sequence state chain, halos and gathers
+    errs = results["packed_primitives"]
+    assert len(errs) == 17  # 7 KDA, 6 conv, 4 attention checks
+    for name, err in errs.items():
+        assert err < 2e-5, (name, err)
+
+
+@pytest.mark.gpu
+def test_cp2_packed_primitives_on_two_gpus_fla_and_torch_chain(tmp_path):
+    """On 2 CUDA GPUs (NCCL): packed sequences under CP2 — fla's CP ``chunk_kda`` one sequence at a time and the
+    torch chain with one state per sequence == the whole stream's packed computation (fla varlen / torch)."""
+    from megatron_compat import run_workers
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    run_workers([__file__, "gpu_packed", str(tmp_path / "gpu.pt")], nproc=2, timeout=420.0)
+    errs = torch.load(tmp_path / "gpu.pt")["packed_primitives"]
+    print({k: f"{v:.2e}" for k, v in errs.items()})
+    assert len(errs) == 24  # 7 fla, 7 torch-chain, 6 conv, 4 attention checks
+    for name, err in errs.items():
         assert err < (1e-2 if name.startswith("kda_fla") else 1e-4), (name, err)
 
 

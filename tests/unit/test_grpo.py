@@ -115,6 +115,31 @@ def test_token_mean_over_the_global_batch_with_micro_batches():
     assert abs(per_sample.mean().item() - full.loss.item()) > 1e-3
 
 
+def test_token_weights_give_the_per_sample_mean_of_the_recipe():
+    torch.manual_seed(1)
+    old = torch.randn(4, 6, dtype=torch.float64)
+    logp = (old + 0.3 * torch.randn(4, 6, dtype=torch.float64)).requires_grad_(True)
+    adv = torch.randn(4, dtype=torch.float64)
+    mask = torch.tensor([[1] * 6, [1] * 2 + [0] * 4, [1] * 5 + [0], [1] + [0] * 5])
+    weights = mask.double() / (mask.sum(1, keepdim=True) * 4)  # each sample's token mean, averaged over the 4 samples
+    got = policy_loss(logp, old, adv, mask, token_weights=weights)
+    (g_got,) = torch.autograd.grad(got.loss, logp)
+    per_sample = [policy_loss(logp[i:i + 1], old[i:i + 1], adv[i:i + 1], mask[i:i + 1]) for i in range(4)]
+    want = sum(p.loss for p in per_sample) / 4
+    (g_want,) = torch.autograd.grad(want, logp)
+    assert got.loss.item() == pytest.approx(want.item(), abs=1e-12)
+    torch.testing.assert_close(g_got, g_want, rtol=0, atol=1e-12)
+    assert got.pg_clipfrac.item() == pytest.approx(sum(p.pg_clipfrac.item() for p in per_sample) / 4, abs=1e-12)
+    assert got.ppo_kl.item() == pytest.approx(sum(p.ppo_kl.item() for p in per_sample) / 4, abs=1e-12)
+    # uniform weights 1/N are the token mean
+    uniform = policy_loss(logp, old, adv, mask, token_weights=mask.double() / mask.sum())
+    assert uniform.loss.item() == pytest.approx(policy_loss(logp, old, adv, mask).loss.item(), abs=1e-12)
+    with pytest.raises(ValueError, match="replaces num_tokens"):
+        policy_loss(logp, old, adv, mask, token_weights=weights, num_tokens=10)
+    with pytest.raises(ValueError, match="token_weights"):
+        policy_loss(logp, old, adv, mask, token_weights=weights[:, :3])
+
+
 def test_masked_garbage_cannot_poison_the_loss():
     logp = torch.tensor([[-1.0, float("inf")]], requires_grad=True)
     old = torch.tensor([[-1.0, float("nan")]])

@@ -21,6 +21,19 @@ parallelism (the trainer hands each CP rank two of 2·CP chunks of every sequenc
 ``max_tokens_per_micro_batch``; rows past the end are padding with an empty loss mask. Data-parallel rank ``d``
 takes trajectories ``d, d + DP, …`` of the global batch.
 
+Dynamic batch size (``dynamic_batch``, the recipe's ``--use-dynamic-batch-size``): instead of padded rows, each
+micro-batch packs whole trajectories back to back (megatron's THD format, ``k3.megatron.packed``), planned by
+``k3.megatron.packing.plan_micro_batches`` from the trajectories' lengths and ``max_tokens_per_micro_batch`` (the
+recipe's ``max_tokens_per_gpu``): balanced over data-parallel ranks, the first-fit micro-batch count, balanced
+micro-batches. The loss is then the recipe's: each response's token mean, averaged over the global batch
+(``sample_mean_weights``); the padded path keeps the token mean over every response token of the global batch.
+Under context parallelism each packed trajectory is padded after its last token to a multiple of ``2·CP`` tokens
+(at least ``2·CP·(conv kernel − 1)``, the KDA halo); the packed row ends with a padding segment so its length
+splits over CP and TP.
+
+Activation recompute (``recompute_granularity`` / ``recompute_method`` / ``recompute_num_layers``) is megatron's
+(``k3.megatron.recompute``); it changes the memory held, never the numbers.
+
 Layout: ``parallel = (TP, EP, PP, CP)`` from the resolved launcher layout; the policy runs under TP, EP (with
 DP) and CP (tests/parity/test_megatron_policy.py: equal to one rank); the loop runs one policy per training
 rank, each in its own Ray actor (``k3.rl.trainers.group``), every rank given the same trajectories. Under PP
@@ -75,6 +88,10 @@ def build_megatron_policy(
     seed: int = 0,
     stage_layers: tuple[int | None, int | None] = (None, None),
     expert_lora_kernel: str = "torch",
+    use_dynamic_batch_size: bool = False,
+    recompute_granularity: str | None = None,
+    recompute_method: str | None = None,
+    recompute_num_layers: int | None = None,
 ) -> MegatronPolicy:
     """Join the process group, create megatron's TP/EP/PP groups for ``parallel`` = (TP, EP, PP, CP) and build
     this rank's policy: the K3 config of the BF16 HF checkpoint ``model_dir`` (the engine's), base weights from
@@ -84,11 +101,16 @@ def build_megatron_policy(
     last pipeline stage under an uneven split (megatron's ``--decoder-first/last-pipeline-num-layers``; None:
     even). ``expert_lora_kernel``: ``torch`` or ``triton``, how the routed-expert adapters run
     (``apply_megatron_lora``). On CUDA the model goes to the current device (``init_parallel`` sets it from
-    ``LOCAL_RANK``)."""
+    ``LOCAL_RANK``). ``use_dynamic_batch_size``: packed micro-batches and the recipe's loss (module docstring);
+    ``recompute_*``: megatron's activation recompute (``k3.megatron.recompute.Recompute``; checked here, before
+    any process group is joined)."""
     from k3.megatron.checkpoint import load_dist, load_hf_checkpoint, read_dist_config
     from k3.megatron.config import k3_transformer_config
     from k3.megatron.parallel import init_parallel
+    from k3.megatron.recompute import Recompute
     from k3.megatron.training import build_lora_trainer
+
+    recompute = Recompute(recompute_granularity, recompute_method, recompute_num_layers)
 
     grpo = GRPOConfig() if grpo is None else grpo
     engine_cfg = K3Config.from_json(model_dir)
@@ -105,7 +127,8 @@ def build_megatron_policy(
                                   f"{model_dir} (their configs differ): convert the engine's checkpoint with "
                                   f"k3 convert hf-to-dist --hf-checkpoint {model_dir} --save DCP")
     sizes = _parallel_sizes(*parallel, *stage_layers)
-    config = k3_transformer_config(cfg, sizes, params_dtype=dtype, perform_initialization=False)  # validates
+    config = k3_transformer_config(cfg, sizes, params_dtype=dtype, perform_initialization=False,
+                                   recompute=recompute)  # validates
     init_parallel(sizes, seed=seed)
 
     def load_base(model: torch.nn.Module) -> None:
@@ -118,7 +141,8 @@ def build_megatron_policy(
                                  weight_decay=grpo.weight_decay, betas=grpo.betas, adam_eps=grpo.adam_eps,
                                  lora_seed=seed, expert_lora_kernel=expert_lora_kernel)
     return MegatronPolicy(trainer, cfg, lora, pad_id=pad_id, grpo=grpo,
-                          max_tokens_per_micro_batch=max_tokens_per_micro_batch, parallel=parallel)
+                          max_tokens_per_micro_batch=max_tokens_per_micro_batch, parallel=parallel,
+                          dynamic_batch=use_dynamic_batch_size)
 
 
 @dataclass
@@ -155,7 +179,8 @@ class MegatronPolicy:
     """GRPO on a megatron K3 stage with LoRA (see the module docstring). Built by ``build_megatron_policy``."""
 
     def __init__(self, trainer, cfg: K3Config, lora: LoRAConfig, pad_id: int, grpo: GRPOConfig | None = None,
-                 max_tokens_per_micro_batch: int = 8192, parallel: tuple[int, int, int, int] = (1, 1, 1, 1)) -> None:
+                 max_tokens_per_micro_batch: int = 8192, parallel: tuple[int, int, int, int] = (1, 1, 1, 1),
+                 dynamic_batch: bool = False) -> None:
         from megatron.core import parallel_state
 
         if max_tokens_per_micro_batch < 1:
@@ -169,6 +194,9 @@ class MegatronPolicy:
         tp, cp = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_context_parallel_world_size()
         # sequence lengths: CP cuts 2·CP chunks, and each rank's tokens are split again over TP (SP)
         self.seq_unit = tp * (2 * cp if cp > 1 else 1)
+        self.tp, self.cp = tp, cp
+        self.dynamic_batch = bool(dynamic_batch)
+        self.conv_halo = cfg.linear_attn_config.short_conv_kernel_size - 1  # under CP, each chunk holds one
         self.dp = parallel_state.get_data_parallel_world_size()
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self._dp_group = parallel_state.get_data_parallel_group()
@@ -209,6 +237,41 @@ class MegatronPolicy:
             index.append(idx)
         return batches, index
 
+    def _pack_dynamic(self, trajs: Sequence[Trajectory], with_targets: bool):
+        """This rank's packed micro-batches of the global batch ``trajs`` (``plan_micro_batches``; rows laid out by
+        ``packed_bounds``) and, per micro-batch, ``(index in trajs, start of its segment)`` of each trajectory."""
+        from k3.megatron.packing import packed_bounds, plan_micro_batches, sample_mean_weights
+        from k3.megatron.training import MicroBatch
+
+        lengths = [len(t.prompt_ids) + len(t.response_ids) for t in trajs]
+        plan = plan_micro_batches(lengths, self.dp, self.max_tokens, self.cp)[self.dp_rank]
+        batches, index = [], []
+        for idx in plan:
+            cu = packed_bounds([lengths[i] for i in idx], self.tp, self.cp, self.conv_halo)
+            T = int(cu[-1])
+            ids = torch.full((1, T), self.pad_id, dtype=torch.long)
+            labels = torch.full((1, T), self.pad_id, dtype=torch.long)
+            mask, old, adv = torch.zeros(1, T), torch.zeros(1, T), torch.zeros(1, T)
+            placed = []
+            for j, i in enumerate(idx):
+                t, start, end = trajs[i], int(cu[j]), int(cu[j + 1])
+                p, n = len(t.prompt_ids), len(t.response_ids)
+                tokens = torch.tensor(list(t.prompt_ids) + list(t.response_ids))
+                ids[0, start:start + p + n] = tokens
+                labels[0, start:start + p + n - 1] = tokens[1:]
+                resp = slice(start + p - 1, start + p - 1 + n)  # response token j is predicted at p − 1 + j
+                mask[0, resp] = 1.0
+                if with_targets:
+                    old[0, resp] = torch.tensor(t.old_log_probs, dtype=torch.float32)
+                    adv[0, start:end] = float(t.advantage)
+                placed.append((i, start))
+            extra = {}
+            if with_targets:
+                extra = {"old_log_probs": old, "advantages": adv, "weights": sample_mean_weights(mask, cu, len(trajs))}
+            batches.append(MicroBatch(ids, labels, mask, extra, cu_seqlens=cu))
+            index.append(placed)
+        return batches, index
+
     def _gather_dp(self, mine: dict[int, Any]) -> dict[int, Any]:
         if self.dp == 1:
             return mine
@@ -221,9 +284,18 @@ class MegatronPolicy:
         """Per-token log-probabilities of each trajectory's response under the current policy (nats)."""
         if not trajs:
             return []
+        mine: dict[int, list[float]] = {}
+        if self.dynamic_batch:
+            batches, placed = self._pack_dynamic(trajs, with_targets=False)
+            for out, where in zip(self.trainer.forward(batches), placed):
+                logp = out.log_probs.float().cpu()[0]
+                for i, start in where:
+                    p, n = len(trajs[i].prompt_ids), len(trajs[i].response_ids)
+                    mine[i] = logp[start + p - 1:start + p - 1 + n].tolist()
+            got = self._gather_dp(mine)
+            return [got[i] for i in range(len(trajs))]
         batches, index = self._pack(trajs, with_targets=False)
         outs = self.trainer.forward(batches)
-        mine: dict[int, list[float]] = {}
         for mb, out, idx in zip(batches, outs, index):
             logp = out.log_probs.float().cpu()
             for r, i in enumerate(idx):
@@ -246,12 +318,21 @@ class MegatronPolicy:
 
         def grpo_loss(mb, out, ctx):
             mask = mb.loss_mask.bool()
-            pl = policy_loss(out.log_probs, mb.extra["old_log_probs"], mb.extra["advantages"], mask,
-                             eps_clip=g.eps_clip, eps_clip_high=g.eps_clip_high, num_tokens=num_tokens)
-            entropy = (out.entropy * mb.loss_mask).sum() / num_tokens
+            if self.dynamic_batch:  # the recipe's loss: per-response token means, averaged over the global batch
+                w = mb.extra["weights"]
+                pl = policy_loss(out.log_probs, mb.extra["old_log_probs"], mb.extra["advantages"], mask,
+                                 eps_clip=g.eps_clip, eps_clip_high=g.eps_clip_high, token_weights=w)
+                entropy = (out.entropy * w).sum()
+            else:
+                pl = policy_loss(out.log_probs, mb.extra["old_log_probs"], mb.extra["advantages"], mask,
+                                 eps_clip=g.eps_clip, eps_clip_high=g.eps_clip_high, num_tokens=num_tokens)
+                entropy = (out.entropy * mb.loss_mask).sum() / num_tokens
             return pl.loss, {"pg_clipfrac": pl.pg_clipfrac, "ppo_kl": pl.ppo_kl, "entropy": entropy}
 
-        batches, _ = self._pack(trajs, with_targets=True)
+        if self.dynamic_batch:
+            batches, _ = self._pack_dynamic(trajs, with_targets=True)
+        else:
+            batches, _ = self._pack(trajs, with_targets=True)
         try:
             stats = self.trainer.step(batches, grpo_loss, with_entropy=True)
         except FloatingPointError as e:
