@@ -13,8 +13,9 @@ import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from k3.config import K3Config
+from k3.settings.parallel import ParallelLayout
 
-__all__ = ["K3TransformerConfig", "ParallelSizes", "k3_transformer_config"]
+__all__ = ["K3TransformerConfig", "k3_transformer_config"]
 
 
 @dataclass
@@ -24,50 +25,17 @@ class K3TransformerConfig(TransformerConfig):
     k3: K3Config | None = None
 
 
-@dataclass(frozen=True)
-class ParallelSizes:
-    """Model-parallel layout: tensor, expert, pipeline and context parallel sizes (data parallel is what
-    remains). ``first_stage_layers`` / ``last_stage_layers``: megatron's uneven pipeline split (None = even)."""
-
-    tp: int = 1
-    ep: int = 1
-    pp: int = 1
-    cp: int = 1
-    first_stage_layers: int | None = None
-    last_stage_layers: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("tp", "ep", "pp", "cp"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"ParallelSizes.{name}={v!r}: expected an integer >= 1")
-        for name in ("first_stage_layers", "last_stage_layers"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1 or self.pp == 1):
-                raise ValueError(f"ParallelSizes.{name}={v!r}: expected None, or an integer >= 1 with pp > 1")
-
-    @classmethod
-    def from_layout(cls, layout) -> ParallelSizes:
-        """The sizes of a launcher layout (``k3.launch.layout.ParallelLayout``: TP, EP, PP, CP and the recipe's
-        uneven 93-layer split, ``--decoder-first/last-pipeline-num-layers``)."""
-        if layout.expert_tensor_parallel_size != 1:
-            raise ValueError(f"expert_tensor_parallel_size={layout.expert_tensor_parallel_size}: K3 needs ETP 1")
-        return cls(tp=layout.tensor_model_parallel_size, ep=layout.expert_model_parallel_size,
-                   pp=layout.pipeline_model_parallel_size, cp=layout.context_parallel_size,
-                   first_stage_layers=layout.decoder_first_pipeline_num_layers,
-                   last_stage_layers=layout.decoder_last_pipeline_num_layers)
-
-
 def k3_transformer_config(
     cfg: K3Config,
-    sizes: ParallelSizes = ParallelSizes(),
+    layout: ParallelLayout = ParallelLayout.model_parallel(),
     params_dtype: torch.dtype = torch.float32,
     dispatcher: str = "alltoall",
     use_cpu_initialization: bool = True,
     perform_initialization: bool = True,
     **overrides,
 ) -> K3TransformerConfig:
-    """The megatron config of K3 under ``sizes``.
+    """The megatron config of K3 under ``layout``'s model-parallel sizes (TP, EP, PP, CP and the uneven pipeline
+    split; a launcher layout or ``ParallelLayout.model_parallel(...)``).
 
     Sequence parallelism is on whenever TP > 1 (megatron's MoE requires it with TP). Under context parallelism
     the tokens are in the load-balanced layout of ``k3.megatron.context_parallel``. Routed experts are never
@@ -78,7 +46,9 @@ def k3_transformer_config(
         raise ValueError(f"dispatcher={dispatcher!r}: expected 'alltoall' or 'allgather'")
     if params_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"params_dtype={params_dtype}: expected torch.float32 or torch.bfloat16")
-    _check_divisible(cfg, sizes)
+    if layout.expert_tensor_parallel_size != 1:
+        raise ValueError(f"expert_tensor_parallel_size={layout.expert_tensor_parallel_size}: K3 needs ETP 1")
+    _check_divisible(cfg, layout)
     L = cfg.num_hidden_layers
     moe = [1 if cfg.is_moe_layer(i) else 0 for i in range(L)]
     fields = dict(
@@ -100,14 +70,14 @@ def k3_transformer_config(
         persist_layer_norm=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
-        tensor_model_parallel_size=sizes.tp,
-        pipeline_model_parallel_size=sizes.pp,
-        context_parallel_size=sizes.cp,
-        num_layers_in_first_pipeline_stage=sizes.first_stage_layers,
-        num_layers_in_last_pipeline_stage=sizes.last_stage_layers,
-        expert_model_parallel_size=sizes.ep,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp,
+        num_layers_in_first_pipeline_stage=layout.first_stage_layers,
+        num_layers_in_last_pipeline_stage=layout.last_stage_layers,
+        expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=1,
-        sequence_parallel=sizes.tp > 1,
+        sequence_parallel=layout.tp > 1,
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         pipeline_dtype=params_dtype,
@@ -116,7 +86,7 @@ def k3_transformer_config(
         # Layers differ (KDA / MLA, dense / MoE): checkpoint keys carry global layer numbers.
         hetereogenous_dist_checkpoint=True,
         # A stage boundary carries [partial | AttnRes bank rows], wider than hidden: p2p sends shapes first.
-        variable_seq_lengths=sizes.pp > 1,
+        variable_seq_lengths=layout.pp > 1,
         k3=cfg,
     )
     if any(moe):
@@ -142,8 +112,8 @@ def k3_transformer_config(
     return K3TransformerConfig(**fields)
 
 
-def _check_divisible(cfg: K3Config, sizes: ParallelSizes) -> None:
-    tp, ep = sizes.tp, sizes.ep
+def _check_divisible(cfg: K3Config, layout: ParallelLayout) -> None:
+    tp, ep = layout.tp, layout.ep
     checks = [
         ("linear_attn_config.num_heads", cfg.linear_attn_config.num_heads, tp, "TP"),
         ("num_attention_heads", cfg.num_attention_heads, tp, "TP"),
