@@ -250,8 +250,20 @@ class ResolvedConfig:
         return self.settings.layout
 
     @property
+    def optimizer(self) -> OptimizerSettings:
+        return self.settings.optimizer
+
+    @property
+    def grpo(self) -> GRPOSettings:
+        return self.settings.grpo
+
+    @property
     def rollout(self) -> RolloutSettings:
         return self.settings.rollout
+
+    @property
+    def colocate(self) -> ColocateSettings:
+        return self.settings.colocate
 
     @property
     def data(self) -> DataSettings:

@@ -10,12 +10,14 @@ Cheap to import (no torch, no engine runtime): the launcher imports the registry
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from k3.settings.colocate import ColocateSettings
 from k3.settings.parallel import ParallelLayout
 from k3.settings.rollout import RolloutSettings
-from k3.settings.worker import WorkerSpec
+
+if TYPE_CHECKING:  # the worker spec's module name ends in .worker: the registry stays visibly engine-free
+    from k3.settings.worker import WorkerSpec
 
 __all__ = ["EngineKind"]
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from k3.rollout.engine_kind import EngineKind
 from k3.settings.colocate import ColocateSettings
 from k3.settings.parallel import ParallelLayout
 from k3.settings.rollout import RolloutSettings
-from k3.settings.worker import WorkerSpec
+
+if TYPE_CHECKING:  # the worker spec's module name ends in .worker: the registry stays visibly engine-free
+    from k3.settings.worker import WorkerSpec
 
 __all__ = ["EmbeddedKind"]
 

@@ -5,14 +5,16 @@ from __future__ import annotations
 import importlib.util
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from k3.rollout.engine_kind import EngineKind
 from k3.rollout.sglang.surface import require_sglang
 from k3.settings.colocate import ColocateSettings
 from k3.settings.parallel import ParallelLayout
 from k3.settings.rollout import RolloutSettings
-from k3.settings.worker import WorkerSpec
+
+if TYPE_CHECKING:  # the worker spec's module name ends in .worker: the registry stays visibly engine-free
+    from k3.settings.worker import WorkerSpec
 
 __all__ = ["SGLangKind"]
 
