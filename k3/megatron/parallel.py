@@ -16,7 +16,7 @@ __all__ = ["init_parallel", "destroy_parallel"]
 
 def init_parallel(layout: ParallelLayout, seed: int | None = 1234, backend: str | None = None) -> None:
     """Join the torchrun world (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``, or a single process
-    when unset) and create megatron's TP/EP/PP/CP/DP groups for ``layout``'s model-parallel layout.
+    when unset) and create megatron's TP/EP/PP/CP/DP groups for ``layout``'s model-parallel sizes.
 
     ``backend`` defaults to NCCL with CUDA, gloo without. The world size must be a multiple of ``tp * pp``
     and of ``ep * pp`` (experts are not tensor-parallel), and of ``tp * cp * pp``. ``seed`` seeds megatron's model-parallel RNG streams

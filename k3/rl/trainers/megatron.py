@@ -76,8 +76,8 @@ def build_megatron_policy(
     this rank's policy: the K3 config of the BF16 HF checkpoint ``model_dir`` (the engine's), base weights from
     the torch_dist checkpoint ``ref_load`` when given (``load_dist``, any source layout) or else from
     ``model_dir`` (``load_hf_checkpoint``), adapters seeded by ``seed``, megatron's Adam with ``grpo``'s
-    settings (default ``GRPOConfig()``, the recipe's). ``expert_lora_kernel``: ``torch`` or ``triton``, how the routed-expert adapters run
-    (``apply_megatron_lora``). On CUDA the model goes to the current device (``init_parallel`` sets it from
+    settings (default ``GRPOConfig()``, the recipe's). ``expert_lora_kernel``: ``torch`` or ``triton``, how the
+    routed-expert adapters run (``apply_megatron_lora``). On CUDA the model goes to the current device (``init_parallel`` sets it from
     ``LOCAL_RANK``)."""
     from k3.megatron.checkpoint import load_dist, load_hf_checkpoint, read_dist_config
     from k3.megatron.config import k3_transformer_config
