@@ -20,19 +20,19 @@ from pathlib import Path
 from typing import Any
 
 from k3.config import variant
-from k3.launch.layout import LayoutError, ParallelLayout, derive_layout
+from k3.launch.layout import LayoutError, derive_layout
 from k3.rollout.registry import DEFAULT_ENGINE, ENGINE_NAMES, ENGINES, engine_kind
-from k3.settings.lora import optional_target_names, target_names
+from k3.settings.colocate import OFFLOAD_ROLLOUT_LEVELS, PEAK_DEVICES, ColocateSettings
+from k3.settings.data import DataSettings
+from k3.settings.lora import LoRAConfig, optional_target_names, target_names
+from k3.settings.parallel import ParallelLayout
+from k3.settings.rollout import ROLLOUT_MAX_CONCURRENCY, SGLANG_PATH, RolloutSettings
+from k3.settings.run import RunSettings
+from k3.settings.train import BACKENDS, EXPERT_LORA_KERNELS, GRPOSettings, OptimizerSettings, TrainingSettings
 
 __all__ = [
     "TrainArgs",
     "ResolvedConfig",
-    "OptimizerSettings",
-    "GRPOSettings",
-    "RolloutSettings",
-    "DataSettings",
-    "MemorySettings",
-    "TrainingSettings",
     "LaunchConfigError",
     "resolve",
     "new_run_id",
@@ -47,10 +47,6 @@ MODES = ("debug_minimal", "normal")
 TASKS = ("gsm8k", "dapo-math", "arith")
 MODEL_VARIANTS = ("tiny", "4layer", "full")
 REWARD_MODELS = ("deterministic_random", "deepscaler", "math")
-BACKENDS = ("torch", "megatron")
-PEAK_DEVICES = ("cpu", "gpu")
-OFFLOAD_ROLLOUT_LEVELS = ("kv_cache", "weight")
-EXPERT_LORA_KERNELS = ("auto", "torch", "triton")  # k3.kernels.expert_lora.function.KERNEL_CHOICES (not imported: it loads torch)
 ENV_PREFIX = "K3_"
 
 # Recipe paths for the 4layer default and what `full` switches them to when left at the default.
@@ -140,12 +136,12 @@ class TrainArgs:
     rollout_engine: str = opt(DEFAULT_ENGINE, "rollout engine: " + " or ".join(f"{k.name} ({k.summary})"
                                                                             for k in ENGINES.values()),
                               choices=ENGINE_NAMES, group="rollout", ours=True)
-    sglang_path: str = opt("/root/sglang/python", "directory containing the sglang/ package", group="rollout")
+    sglang_path: str = opt(SGLANG_PATH, "directory containing the sglang/ package", group="rollout")
     rollout_tp_size: int = opt(8, "tensor parallel size of each rollout engine (full only; divides 64 and 96)",
                                group="rollout")
     rollout_ep_size: int = opt(1, "expert parallel size of each rollout engine (full only; divides rollout TP "
                                "and 896)", group="rollout")
-    rollout_max_concurrency: int = opt(64, "requests an engine runs at once", group="rollout")
+    rollout_max_concurrency: int = opt(ROLLOUT_MAX_CONCURRENCY, "requests an engine runs at once", group="rollout")
     sglang_max_total_tokens: int | None = opt(None, "cap of the engine's KV token pool", group="rollout")
     num_rollout: int | None = opt(None, "rollouts to run (debug_minimal 2, normal 3000)", group="rollout")
     rollout_batch_size: int | None = opt(None, "prompts per rollout (debug_minimal 8, normal 32)",
@@ -217,137 +213,73 @@ class TrainArgs:
 
 
 @dataclass(frozen=True)
-class OptimizerSettings:
-    """The optimizer of the mode: debug_minimal = SGD (momentum 0, lr 1e-6), normal = Adam (β 0.9 / 0.98)."""
-
-    optimizer: str
-    weight_decay: float
-    adam_beta1: float
-    adam_beta2: float
-    sgd_momentum: float
-    lr_decay_style: str
-    use_distributed_optimizer: bool
-    optimizer_cpu_offload: bool
-    optimizer_offload_fraction: float
-
-
-@dataclass(frozen=True)
-class GRPOSettings:
-    """GRPO as the recipe runs it: group-normalised rewards, asymmetric PPO clip, no KL, no reference model."""
-
-    advantage_estimator: str = "grpo"
-    eps_clip: float = 0.2
-    eps_clip_high: float = 0.28
-    kl_loss_coef: float = 0.0
-    kl_loss_type: str = "low_var_kl"
-    entropy_coef: float = 0.0
-    rewards_normalization: bool = True
-    grpo_std_normalization: bool = True
-    grpo_std_eps: float = 1e-6
-
-
-@dataclass(frozen=True)
-class RolloutSettings:
-    """Sampling, eval and engine sizing derived from the flags (recipe §6.1 SGLang args, §6.2 eval)."""
-
-    rollout_temperature: float
-    rollout_top_p: float
-    eval_temperature: float
-    n_samples_per_eval_prompt: int
-    eval_max_response_len: int
-    skip_eval_before_train: bool
-    rollout_shuffle: bool
-    rollout_num_gpus_per_engine: int
-    sglang_ep_size: int
-    sglang_server_concurrency: int
-    sglang_max_running_requests: int
-    sglang_max_mamba_cache_size: int
-    sglang_cuda_graph_bs: list[int]
-    sglang_context_length: int | None
-    sglang_mem_fraction_static: float | None
-    sglang_max_lora_rank: int
-
-
-@dataclass(frozen=True)
-class DataSettings:
-    """Training and eval files under ``--data-dir`` and the keys read from them (recipe §6.2)."""
-
-    prompt_data: str
-    input_key: str
-    label_key: str
-    apply_chat_template: bool
-    eval_dataset_name: str | None
-    eval_prompt_data: str | None
-    eval_input_key: str | None
-
-
-@dataclass(frozen=True)
-class MemorySettings:
-    """Colocation: trainer and engines share devices and take turns (recipe §5)."""
-
-    colocate: bool
-    offload_train: bool
-    offload_rollout: bool
-    disable_weights_backuper: bool
-    train_memory_margin_bytes: int
-
-
-@dataclass(frozen=True)
-class TrainingSettings:
-    """Trainer settings the recipe fixes per variant/mode rather than exposing as flags."""
-
-    num_steps_per_rollout: int
-    use_dynamic_batch_size: bool
-    log_probs_chunk_size: int
-    recompute_granularity: str
-    recompute_method: str
-    recompute_num_layers: int
-    check_for_nan_in_loss_and_grad: bool
-    save: str
-
-
-@dataclass(frozen=True)
 class ResolvedConfig:
-    """What a run uses: every flag with its default filled in (``args``) and everything derived from them.
+    """What a run uses: every flag with its default filled in (``args``), the typed settings built from them
+    once (``settings``: what ``k3.rl.loop.run`` takes, each part its own section), the Ray workers' ``env`` and
+    the notes printed at startup.
 
-    ``to_dict()`` flattens it into one name → value mapping (Megatron's names where Megatron has one; a name in
-    two sections has one value): that is what ``resolved_config.json`` / ``.txt`` hold.
+    ``to_dict()`` flattens the flags and the settings sections into one name → value mapping (Megatron's names
+    where Megatron has one; a name in two sections has one value): that is what ``resolved_config.json`` /
+    ``.txt`` hold.
     """
 
     args: TrainArgs
-    layout: ParallelLayout
-    optimizer: OptimizerSettings
-    grpo: GRPOSettings
-    rollout: RolloutSettings
-    data: DataSettings
-    memory: MemorySettings
-    training: TrainingSettings
+    settings: RunSettings
     env: dict[str, str]
     notes: tuple[str, ...] = ()
 
-    SECTIONS = ("args", "layout", "optimizer", "grpo", "rollout", "data", "memory", "training")
+    # The settings sections of the dump, after the flags (the flags' own values lead).
+    SECTIONS = ("layout", "optimizer", "grpo", "rollout", "data", "colocate", "training")
 
     def to_dict(self) -> dict[str, Any]:
-        """Flat ``{name: value}`` of every section (JSON-ready: tuples as lists), plus ``env``."""
+        """Flat ``{name: value}`` of the flags and every section (JSON-ready: tuples as lists), plus ``env``."""
         out: dict[str, Any] = {}
-        for name in self.SECTIONS:
-            for key, value in dataclasses.asdict(getattr(self, name)).items():
+        for section in (self.args, *(getattr(self.settings, name) for name in self.SECTIONS)):
+            for key, value in dataclasses.asdict(section).items():
+                value = list(value) if isinstance(value, tuple) else value
                 # A name may appear in two sections (the flag and the layout both hold context_parallel_size)
                 # only with one value.
                 if key in out and out[key] != value:
                     raise AssertionError(f"resolved key {key!r} differs between sections: {out[key]!r} vs {value!r}")
-                out[key] = list(value) if isinstance(value, tuple) else value
+                out[key] = value
         out["env"] = dict(self.env)
         return out
 
     @property
+    def layout(self) -> ParallelLayout:
+        return self.settings.layout
+
+    @property
+    def optimizer(self) -> OptimizerSettings:
+        return self.settings.optimizer
+
+    @property
+    def grpo(self) -> GRPOSettings:
+        return self.settings.grpo
+
+    @property
+    def rollout(self) -> RolloutSettings:
+        return self.settings.rollout
+
+    @property
+    def colocate(self) -> ColocateSettings:
+        return self.settings.colocate
+
+    @property
+    def data(self) -> DataSettings:
+        return self.settings.data
+
+    @property
+    def training(self) -> TrainingSettings:
+        return self.settings.training
+
+    @property
     def run_dir(self) -> Path:
-        assert self.args.run_dir is not None  # resolve() always sets it
-        return Path(self.args.run_dir)
+        return self.settings.run_dir
 
     @property
     def uses_gpus(self) -> bool:
-        return bool(self.args.num_gpus_per_node)
+        return self.settings.uses_gpus
 
 
 def new_run_id() -> str:
@@ -383,13 +315,13 @@ def parse_env_pairs(text: str) -> dict[str, str]:
     return out
 
 
-def _worker_env(a: TrainArgs) -> dict[str, str]:
+def _worker_env(a: TrainArgs, rollout: RolloutSettings) -> dict[str, str]:
     """Environment of every Ray worker (recipe §6.1 "Environment passed to Ray")."""
     env: dict[str, str] = {}
     repo_root = str(Path(__file__).resolve().parents[2])
     engine = engine_kind(a.rollout_engine)
-    python_path = [repo_root, *engine.python_path(a)]
-    env.update(engine.worker_env(a))
+    python_path = [repo_root, *engine.python_path(rollout)]
+    env.update(engine.worker_env(rollout))
     if os.environ.get("PYTHONPATH"):
         python_path.append(os.environ["PYTHONPATH"])
     env["PYTHONPATH"] = os.pathsep.join(python_path)
@@ -487,7 +419,8 @@ def resolve(args: TrainArgs) -> ResolvedConfig:
     # The resolved flags show what the engines run with (the 4layer and tiny engines ignore the full-only flags).
     a.rollout_tp_size, a.rollout_ep_size = layout.rollout_tp_size, layout.rollout_ep_size
 
-    env = _worker_env(a)
+    rollout = _rollout(a, layout)
+    env = _worker_env(a, rollout)
     if a.ipc_unlink_shim is None:
         a.ipc_unlink_shim = bool(a.num_gpus_per_node)  # the race is CUDA IPC's; CPU sharing has no ref files
     if a.ipc_unlink_shim:
@@ -499,19 +432,36 @@ def resolve(args: TrainArgs) -> ResolvedConfig:
         except ShimBuildError as e:  # optional: report it and run without
             a.ipc_unlink_shim = False
             notes.append(f"--ipc-unlink-shim is off: {e}")
-    return ResolvedConfig(
-        args=a,
+    settings = RunSettings(
+        run_dir=Path(a.run_dir),
+        run_id=a.run_id,
+        seed=a.seed,
+        resume=a.resume,
+        num_rollout=a.num_rollout,
+        rollout_batch_size=a.rollout_batch_size,
+        n_samples_per_prompt=a.n_samples_per_prompt,
+        global_batch_size=a.global_batch_size,
+        eval_interval=a.eval_interval,
+        save_interval=a.save_interval,
+        reward_model=a.reward_model,
+        tokenizer_path=a.hf_checkpoint,
+        rollout_engine=a.rollout_engine,
+        enable_wandb=a.enable_wandb,
         layout=layout,
+        lora=LoRAConfig(rank=a.lora_rank, alpha=float(a.lora_alpha), dropout=a.lora_dropout,
+                        target_modules=tuple(a.target_modules)),
         optimizer=_optimizer(a),
         grpo=GRPOSettings(),
-        rollout=_rollout(a, layout),
+        rollout=rollout,
         data=_data(a),
-        memory=MemorySettings(
+        colocate=ColocateSettings(
             colocate=True,
             offload_train=True,
             offload_rollout=True,
             disable_weights_backuper=True,
             train_memory_margin_bytes=(2 if debug else 4) * _GIB,
+            colocate_memory_peak_device=a.colocate_memory_peak_device,
+            offload_rollout_level=tuple(a.offload_rollout_level),
         ),
         training=TrainingSettings(
             num_steps_per_rollout=a.rollout_batch_size * a.n_samples_per_prompt // a.global_batch_size,
@@ -523,10 +473,14 @@ def resolve(args: TrainArgs) -> ResolvedConfig:
             # The recipe turns Megatron's NaN check off for 4layer only.
             check_for_nan_in_loss_and_grad=a.model_variant != "4layer",
             save=str(Path(a.save_dir) / a.run_id),
+            backend=a.backend,
+            expert_lora_kernel=a.expert_lora_kernel,
+            lora_transfer_buffer=a.lora_transfer_buffer,
+            ref_load=a.ref_load,
+            max_tokens_per_gpu=a.max_tokens_per_gpu,
         ),
-        env=env,
-        notes=tuple(notes),
     )
+    return ResolvedConfig(args=a, settings=settings, env=env, notes=tuple(notes))
 
 
 def _validate_values(a: TrainArgs) -> None:
@@ -586,24 +540,18 @@ def _optimizer(a: TrainArgs) -> OptimizerSettings:
     megatron = a.backend == "megatron"
     if a.mode == "debug_minimal":
         # Plain SGD at momentum 0: TE's fused SGD would allocate a momentum buffer even then.
-        return OptimizerSettings("sgd", 0.0, 0.9, 0.98, 0.0, "constant", megatron, False, 0.0)
-    return OptimizerSettings("adam", 0.1, 0.9, 0.98, 0.0, "constant", megatron, megatron, 0.8 if megatron else 0.0)
+        return OptimizerSettings("sgd", 0.0, 0.9, 0.98, 0.0, "constant", megatron, False, 0.0, lr=a.lr)
+    return OptimizerSettings("adam", 0.1, 0.9, 0.98, 0.0, "constant", megatron, megatron, 0.8 if megatron else 0.0,
+                             lr=a.lr)
 
 
 def _rollout(a: TrainArgs, layout: ParallelLayout) -> RolloutSettings:
     full = a.model_variant == "full"
     concurrency = a.rollout_max_concurrency
     return RolloutSettings(
-        rollout_temperature=1.0,
-        rollout_top_p=1.0,
-        eval_temperature=0.0,
-        n_samples_per_eval_prompt=1,
         eval_max_response_len=a.rollout_max_response_len,
-        skip_eval_before_train=False,
-        rollout_shuffle=True,
         rollout_num_gpus_per_engine=layout.rollout_tp_size,
         sglang_ep_size=layout.rollout_ep_size,
-        sglang_server_concurrency=16,
         sglang_max_running_requests=concurrency if full else 16,
         # K3's radix "extra_buffer" strategy needs five KDA cache slots per running request.
         sglang_max_mamba_cache_size=5 * concurrency if full else 16,
@@ -611,6 +559,16 @@ def _rollout(a: TrainArgs, layout: ParallelLayout) -> RolloutSettings:
         sglang_context_length=8192 if a.mode == "debug_minimal" else None,
         sglang_mem_fraction_static=None if full else 0.7,
         sglang_max_lora_rank=a.lora_rank,
+        model_variant=a.model_variant,
+        hf_checkpoint=a.hf_checkpoint,
+        sglang_path=a.sglang_path,
+        num_gpus_per_node=a.num_gpus_per_node,
+        seed=a.seed,
+        rollout_max_response_len=a.rollout_max_response_len,
+        sglang_max_total_tokens=a.sglang_max_total_tokens,
+        check_weight_update_equal=a.check_weight_update_equal,
+        lora_base_cpu_backup=a.lora_base_cpu_backup,
+        rollout_max_concurrency=concurrency,
     )
 
 

@@ -10,17 +10,18 @@ The rules are the public recipe launcher's (``miles-k3-recipe.md`` §6.1):
 - ``4layer`` trains on one node × 8 GPUs with ``PP = 1``: TP8 / EP8, rollout engine TP8 / EP8.
 - ``tiny`` (ours) is one process, on CPU or one GPU: every size is 1.
 
-Every rejected layout raises :class:`LayoutError` with a message that names the flag and the values that work.
+The layout itself is ``k3.settings.parallel.ParallelLayout``. Every rejected layout raises :class:`LayoutError`
+with a message that names the flag and the values that work.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+
+from k3.settings.parallel import ParallelLayout
 
 __all__ = [
     "LayoutError",
-    "ParallelLayout",
     "derive_layout",
     "split_pipeline_layers",
     "FULL_NUM_NODES",
@@ -37,32 +38,6 @@ FULL_TP_AT_PP1 = 32
 
 class LayoutError(ValueError):
     """A parallelism flag that cannot work for this variant and cluster; the message says what to change."""
-
-
-@dataclass(frozen=True)
-class ParallelLayout:
-    """The resolved training and rollout parallelism. Field names are Megatron's argument names.
-
-    ``world_size`` counts training ranks (one per GPU; 1 for a CPU run). ``pipeline_layers[s]`` is the number of
-    decoder layers on pipeline stage ``s``; ``decoder_first/last_pipeline_num_layers`` are set only when the
-    stages are uneven, as the recipe passes them to Megatron only then.
-    """
-
-    world_size: int
-    tensor_model_parallel_size: int
-    pipeline_model_parallel_size: int
-    context_parallel_size: int
-    data_parallel_size: int
-    expert_model_parallel_size: int
-    expert_tensor_parallel_size: int
-    sequence_parallel: bool
-    num_layers: int
-    pipeline_layers: tuple[int, ...]
-    decoder_first_pipeline_num_layers: int | None
-    decoder_last_pipeline_num_layers: int | None
-    rollout_tp_size: int
-    rollout_ep_size: int
-    num_rollout_engines: int
 
 
 def split_pipeline_layers(num_layers: int, pp: int) -> list[int]:

@@ -1,5 +1,6 @@
 """`k3 train`: parse the recipe's flags, resolve and validate them, write the resolved config into the run
-directory, print it, then hand the run to the training loop (``k3.rl.loop.run``).
+directory, print it, then hand the run to the training loop (:func:`run_resolved`: ``k3.rl.loop.run`` with the
+run's typed settings and its Ray placement).
 
 The command forwards its raw words to the argparse parser of :mod:`k3.launch.parser`, so ``k3 train --help``
 is that parser's help (every flag, its default and its ``K3_*`` variable).
@@ -21,7 +22,7 @@ from k3.launch.parser import parse_train_args
 from k3.launch.resolved_config import JSON_NAME, print_args_table, read_resolved_config, write_resolved_config
 from k3.rollout.registry import engine_kind
 
-__all__ = ["train", "main", "check_inputs", "RESUME_MUST_MATCH"]
+__all__ = ["train", "main", "run_resolved", "check_inputs", "RESUME_MUST_MATCH"]
 
 # Resuming loads the saved adapters onto the same base: these cannot change between the runs.
 RESUME_MUST_MATCH = ("model_variant", "hf_checkpoint", "lora_rank", "lora_alpha", "target_modules",
@@ -76,11 +77,22 @@ def main(argv: Sequence[str]) -> int:
               f"is in {json_path.parent}", file=sys.stderr)
         return 2
     try:
-        loop.run(resolved)
+        run_resolved(resolved)
     except loop.TrainingError as e:
         print(f"k3 train: error: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def run_resolved(resolved: ResolvedConfig, *, in_process: bool | None = None, sabotage_sync: bool = False) -> int:
+    """Run the training loop on ``resolved``: ``k3.rl.loop.run`` with the run's settings, its Ray placement
+    (started by the loop when it runs under Ray) and its resolved config for W&B. ``in_process`` /
+    ``sabotage_sync``: as ``k3.rl.loop.run``. Returns the loop's exit code; raises its ``TrainingError``."""
+    from k3.launch.placement import RayPlacement
+
+    loop = importlib.import_module("k3.rl.loop")
+    return loop.run(resolved.settings, in_process=in_process, sabotage_sync=sabotage_sync,
+                    start_placement=lambda: RayPlacement.start(resolved), wandb_config=resolved.to_dict())
 
 
 def _resolve_for_run_dir(args: TrainArgs) -> tuple[ResolvedConfig, dict | None]:
@@ -156,5 +168,5 @@ def check_inputs(resolved: ResolvedConfig) -> list[str]:
         problems.append(f"training data {data.prompt_data} not found: run {fetch}")
     if data.eval_prompt_data is not None and not Path(data.eval_prompt_data).is_file():
         problems.append(f"eval data {data.eval_prompt_data} not found (needed by --eval-interval): run {fetch}")
-    problems += engine_kind(a.rollout_engine).input_problems(a)
+    problems += engine_kind(a.rollout_engine).input_problems(resolved.rollout)
     return problems

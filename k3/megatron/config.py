@@ -14,8 +14,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from k3.config import K3Config
 from k3.megatron.recompute import Recompute
+from k3.settings.parallel import ParallelLayout
 
-__all__ = ["K3TransformerConfig", "ParallelSizes", "k3_transformer_config"]
+__all__ = ["K3TransformerConfig", "k3_transformer_config"]
 
 
 @dataclass
@@ -25,43 +26,9 @@ class K3TransformerConfig(TransformerConfig):
     k3: K3Config | None = None
 
 
-@dataclass(frozen=True)
-class ParallelSizes:
-    """Model-parallel layout: tensor, expert, pipeline and context parallel sizes (data parallel is what
-    remains). ``first_stage_layers`` / ``last_stage_layers``: megatron's uneven pipeline split (None = even)."""
-
-    tp: int = 1
-    ep: int = 1
-    pp: int = 1
-    cp: int = 1
-    first_stage_layers: int | None = None
-    last_stage_layers: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("tp", "ep", "pp", "cp"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"ParallelSizes.{name}={v!r}: expected an integer >= 1")
-        for name in ("first_stage_layers", "last_stage_layers"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1 or self.pp == 1):
-                raise ValueError(f"ParallelSizes.{name}={v!r}: expected None, or an integer >= 1 with pp > 1")
-
-    @classmethod
-    def from_layout(cls, layout) -> ParallelSizes:
-        """The sizes of a launcher layout (``k3.launch.layout.ParallelLayout``: TP, EP, PP, CP and the recipe's
-        uneven 93-layer split, ``--decoder-first/last-pipeline-num-layers``)."""
-        if layout.expert_tensor_parallel_size != 1:
-            raise ValueError(f"expert_tensor_parallel_size={layout.expert_tensor_parallel_size}: K3 needs ETP 1")
-        return cls(tp=layout.tensor_model_parallel_size, ep=layout.expert_model_parallel_size,
-                   pp=layout.pipeline_model_parallel_size, cp=layout.context_parallel_size,
-                   first_stage_layers=layout.decoder_first_pipeline_num_layers,
-                   last_stage_layers=layout.decoder_last_pipeline_num_layers)
-
-
 def k3_transformer_config(
     cfg: K3Config,
-    sizes: ParallelSizes = ParallelSizes(),
+    layout: ParallelLayout = ParallelLayout.model_parallel(),
     params_dtype: torch.dtype = torch.float32,
     dispatcher: str = "alltoall",
     use_cpu_initialization: bool = True,
@@ -69,7 +36,8 @@ def k3_transformer_config(
     recompute: Recompute = Recompute(),
     **overrides,
 ) -> K3TransformerConfig:
-    """The megatron config of K3 under ``sizes``.
+    """The megatron config of K3 under ``layout``'s model-parallel sizes (TP, EP, PP, CP and the uneven pipeline
+    split; a launcher layout or ``ParallelLayout.model_parallel(...)``).
 
     Sequence parallelism is on whenever TP > 1 (megatron's MoE requires it with TP). Under context parallelism
     the tokens are in the load-balanced layout of ``k3.megatron.context_parallel``. Routed experts are never
@@ -82,8 +50,10 @@ def k3_transformer_config(
         raise ValueError(f"dispatcher={dispatcher!r}: expected 'alltoall' or 'allgather'")
     if params_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"params_dtype={params_dtype}: expected torch.float32 or torch.bfloat16")
-    _check_divisible(cfg, sizes)
-    recompute.check_stages(_stage_layer_counts(cfg.num_hidden_layers, sizes))
+    if layout.expert_tensor_parallel_size != 1:
+        raise ValueError(f"expert_tensor_parallel_size={layout.expert_tensor_parallel_size}: K3 needs ETP 1")
+    _check_divisible(cfg, layout)
+    recompute.check_stages(_stage_layer_counts(cfg.num_hidden_layers, layout))
     L = cfg.num_hidden_layers
     moe = [1 if cfg.is_moe_layer(i) else 0 for i in range(L)]
     fields = dict(
@@ -105,14 +75,14 @@ def k3_transformer_config(
         persist_layer_norm=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
-        tensor_model_parallel_size=sizes.tp,
-        pipeline_model_parallel_size=sizes.pp,
-        context_parallel_size=sizes.cp,
-        num_layers_in_first_pipeline_stage=sizes.first_stage_layers,
-        num_layers_in_last_pipeline_stage=sizes.last_stage_layers,
-        expert_model_parallel_size=sizes.ep,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp,
+        num_layers_in_first_pipeline_stage=layout.first_stage_layers,
+        num_layers_in_last_pipeline_stage=layout.last_stage_layers,
+        expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=1,
-        sequence_parallel=sizes.tp > 1,
+        sequence_parallel=layout.tp > 1,
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         pipeline_dtype=params_dtype,
@@ -121,7 +91,7 @@ def k3_transformer_config(
         # Layers differ (KDA / MLA, dense / MoE): checkpoint keys carry global layer numbers.
         hetereogenous_dist_checkpoint=True,
         # A stage boundary carries [partial | AttnRes bank rows], wider than hidden: p2p sends shapes first.
-        variable_seq_lengths=sizes.pp > 1,
+        variable_seq_lengths=layout.pp > 1,
         k3=cfg,
     )
     fields.update(recompute.config_fields())
@@ -148,13 +118,13 @@ def k3_transformer_config(
     return K3TransformerConfig(**fields)
 
 
-def _stage_layer_counts(num_layers: int, sizes: ParallelSizes) -> list[int]:
+def _stage_layer_counts(num_layers: int, layout: ParallelLayout) -> list[int]:
     """Layers per pipeline stage, megatron's split: even, or the given first / last stage counts and the rest
     spread evenly over the middle stages (a split that does not divide is megatron's to refuse)."""
-    pp = sizes.pp
+    pp = layout.pp
     if pp == 1:
         return [num_layers]
-    first, last = sizes.first_stage_layers, sizes.last_stage_layers
+    first, last = layout.first_stage_layers, layout.last_stage_layers
     if first is None and last is None:
         return [num_layers // pp] * pp
     middle = num_layers - (first or 0) - (last or 0)
@@ -163,8 +133,8 @@ def _stage_layer_counts(num_layers: int, sizes: ParallelSizes) -> list[int]:
     return ([first] if first is not None else []) + [each] * inner + ([last] if last is not None else [])
 
 
-def _check_divisible(cfg: K3Config, sizes: ParallelSizes) -> None:
-    tp, ep = sizes.tp, sizes.ep
+def _check_divisible(cfg: K3Config, layout: ParallelLayout) -> None:
+    tp, ep = layout.tp, layout.ep
     checks = [
         ("linear_attn_config.num_heads", cfg.linear_attn_config.num_heads, tp, "TP"),
         ("num_attention_heads", cfg.num_attention_heads, tp, "TP"),

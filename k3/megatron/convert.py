@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from k3.checkpoint.hf_io import INDEX_NAME, TEXT_PREFIX, CheckpointError, ShardedWriter, parse_size, read_weight_map
 from k3.checkpoint.names import NameMapError, hf_names, hf_tensors, megatron_names
 from k3.config import ConfigError, K3Config
+from k3.settings.parallel import ParallelLayout
 
 __all__ = ["hf_to_dist", "dist_to_hf", "convert_hf_to_dist", "convert_dist_to_hf"]
 
@@ -45,7 +46,7 @@ def convert_hf_to_dist(hf_checkpoint: Path, save: Path, tp: int = 1, ep: int = 1
                        dtype: torch.dtype = torch.bfloat16, progress: bool = True) -> Path:
     """The conversion itself (every rank calls it); returns the torch_dist directory."""
     from k3.megatron.checkpoint import check_save_dir, load_hf_checkpoint, save_dist
-    from k3.megatron.config import ParallelSizes, k3_transformer_config
+    from k3.megatron.config import k3_transformer_config
     from k3.megatron.model import k3_model_provider
     from k3.megatron.parallel import destroy_parallel, init_parallel
 
@@ -61,10 +62,10 @@ def convert_hf_to_dist(hf_checkpoint: Path, save: Path, tp: int = 1, ep: int = 1
     if missing:
         raise CheckpointError(f"{hf_checkpoint}: {len(missing)} tensors of the model are missing, e.g. {missing[:3]}")
     check_save_dir(save)
-    sizes = ParallelSizes(tp=tp, ep=ep, pp=pp)
-    config = k3_transformer_config(cfg, sizes, params_dtype=dtype, dispatcher="allgather",
+    layout = ParallelLayout.model_parallel(tp=tp, ep=ep, pp=pp)
+    config = k3_transformer_config(cfg, layout, params_dtype=dtype, dispatcher="allgather",
                                    perform_initialization=False)  # validates divisibility
-    init_parallel(sizes, seed=None)
+    init_parallel(layout, seed=None)
     try:
         model = k3_model_provider(config)
         if torch.cuda.is_available():

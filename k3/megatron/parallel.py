@@ -9,14 +9,14 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-from k3.megatron.config import ParallelSizes
+from k3.settings.parallel import ParallelLayout
 
 __all__ = ["init_parallel", "destroy_parallel"]
 
 
-def init_parallel(sizes: ParallelSizes, seed: int | None = 1234, backend: str | None = None) -> None:
+def init_parallel(layout: ParallelLayout, seed: int | None = 1234, backend: str | None = None) -> None:
     """Join the torchrun world (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``, or a single process
-    when unset) and create megatron's TP/EP/PP/CP/DP groups for ``sizes``.
+    when unset) and create megatron's TP/EP/PP/CP/DP groups for ``layout``'s model-parallel sizes.
 
     ``backend`` defaults to NCCL with CUDA, gloo without. The world size must be a multiple of ``tp * pp``
     and of ``ep * pp`` (experts are not tensor-parallel), and of ``tp * cp * pp``. ``seed`` seeds megatron's model-parallel RNG streams
@@ -32,16 +32,16 @@ def init_parallel(sizes: ParallelSizes, seed: int | None = 1234, backend: str | 
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend=backend)
     world = dist.get_world_size()
-    for what, n in (("tensor x pipeline", sizes.tp * sizes.pp), ("expert x pipeline", sizes.ep * sizes.pp),
-                    ("tensor x context x pipeline", sizes.tp * sizes.cp * sizes.pp)):
+    for what, n in (("tensor x pipeline", layout.tp * layout.pp), ("expert x pipeline", layout.ep * layout.pp),
+                    ("tensor x context x pipeline", layout.tp * layout.cp * layout.pp)):
         if world % n:
             raise ValueError(f"world size {world} is not a multiple of {what} parallel size {n} "
-                             f"(TP={sizes.tp}, EP={sizes.ep}, PP={sizes.pp}, CP={sizes.cp})")
+                             f"(TP={layout.tp}, EP={layout.ep}, PP={layout.pp}, CP={layout.cp})")
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=sizes.tp,
-        pipeline_model_parallel_size=sizes.pp,
-        context_parallel_size=sizes.cp,
-        expert_model_parallel_size=sizes.ep,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=1,
     )
     if seed is not None:

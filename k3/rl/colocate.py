@@ -21,12 +21,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["AFTER_SYNC", "ENGINES", "KV_TAGS", "PEAK_DEVICES", "TRAINER", "Step", "after_train_steps",
+from k3.settings.colocate import PEAK_DEVICES
+
+__all__ = ["AFTER_SYNC", "ENGINES", "KV_TAGS", "TRAINER", "Step", "after_train_steps",
            "before_first_sync_steps", "before_train_steps", "offload_tags", "startup_steps"]
 
 ENGINES, TRAINER = "engines", "trainer"
 KV_TAGS = ("kv_cache", "cuda_graph")
-PEAK_DEVICES = ("cpu", "gpu")
 
 
 @dataclass(frozen=True)

@@ -7,12 +7,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from k3.rl import colocate
+from k3.rl import colocate as colocate_steps
 from k3.rl.errors import TrainingError, last_line
 from k3.rl.handles import LocalHandle, RayHandle, call_all
 from k3.rl.trainers.group import is_trainer_group
 from k3.rollout.errors import EngineUnavailableError
 from k3.rollout.registry import ENGINES, engine_kind
+from k3.settings.colocate import ColocateSettings
+from k3.settings.parallel import ParallelLayout
+from k3.settings.rollout import RolloutSettings
 from k3.settings.worker import WorkerSpec
 
 __all__ = ["BREAK_SYNC_ENV", "check_engine_available", "connect_engines", "feeding_ranks", "shutdown_engines",
@@ -22,31 +25,31 @@ __all__ = ["BREAK_SYNC_ENV", "check_engine_available", "connect_engines", "feedi
 BREAK_SYNC_ENV = "K3_TEST_BREAK_ADAPTER_SYNC"
 
 
-def check_engine_available(args: Any, in_process: bool) -> None:
-    """Stop at once, before Ray or any model starts, when the run's engine cannot run from here (its
-    ``check_available``); ``args`` are the run's resolved flags."""
+def check_engine_available(engine: str, rollout: RolloutSettings, in_process: bool) -> None:
+    """Stop at once, before Ray or any model starts, when the run's engine (registered as ``engine``) cannot run
+    from here (its ``check_available``)."""
     try:
-        engine_kind(args.rollout_engine).check_available(args, in_process=in_process)
+        engine_kind(engine).check_available(rollout, in_process=in_process)
     except EngineUnavailableError as e:
         raise TrainingError(str(e)) from None
 
 
-def start_engines(resolved: Any, spec: WorkerSpec, placement: Any | None,
-                  sabotage_sync: bool = False) -> list[Any]:
-    """The run's rollout engines as handles (in-process when ``placement`` is None, else Ray actors), started.
+def start_engines(engine: str, rollout: RolloutSettings, layout: ParallelLayout, colocate: ColocateSettings,
+                  spec: WorkerSpec, placement: Any | None, sabotage_sync: bool = False) -> list[Any]:
+    """The run's rollout engines (registered as ``engine``) as handles (in-process when ``placement`` is None,
+    else Ray actors), started.
 
     An engine that takes its memory when it starts (``holds_memory_at_start``: SGLang's KV cache and graphs) then
     gives it up at once (recipe §5.4 startup: the trainer is created after the engines, into that room): ``cpu``
     peak everything of ``--offload-rollout-level``, ``gpu`` peak the KV cache and graphs."""
-    a = resolved.args
-    kind = engine_kind(a.rollout_engine)
+    kind = engine_kind(engine)
     if sabotage_sync and not kind.has_sabotage_hook:
         hooked = " or ".join(k.name for k in ENGINES.values() if k.has_sabotage_hook)
         raise TrainingError(f"the broken-sync test hook ({BREAK_SYNC_ENV}) is the {hooked} engine's")
-    started = kind.start(resolved, spec, placement, sabotage_sync=sabotage_sync)
+    started = kind.start(rollout, layout, colocate, spec, placement, sabotage_sync=sabotage_sync)
     engines = [LocalHandle(e) if placement is None else RayHandle(e) for e in started]
     if kind.holds_memory_at_start:
-        for step in colocate.startup_steps(a.colocate_memory_peak_device, a.offload_rollout_level):
+        for step in colocate_steps.startup_steps(colocate.colocate_memory_peak_device, colocate.offload_rollout_level):
             call_all(engines, step.method, list(step.tags))
     return engines
 

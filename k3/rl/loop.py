@@ -1,7 +1,8 @@
 """The recipe's loop on one machine: rollout → reward → GRPO step → adapter sync → eval → adapter checkpoint.
 
-``run(resolved)`` is what ``k3 train`` calls after resolving and validating the flags. The trainer and the
-rollout engines (started by the engine registered under ``--rollout-engine``: ``k3.rl.engines``,
+``run(settings)`` is what ``k3 train`` calls (``k3.launch.train.run_resolved``) with the run's typed settings
+(``k3.settings.run.RunSettings``), built once from the resolved flags; the loop hands each part its own section.
+The trainer and the rollout engines (started by the engine registered under ``--rollout-engine``: ``k3.rl.engines``,
 ``k3.rollout.registry``) run as Ray actors in the placement-group bundles of the training ranks (colocated):
 the torch trainer is one rank, the megatron trainer one actor per training rank (``k3.rl.trainers.group``; the
 first rank on each engine's GPUs sends that engine its adapters); memory is
@@ -17,13 +18,12 @@ import dataclasses
 import os
 import time
 from pathlib import Path
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from k3.kernels.expert_lora import availability as expert_lora_availability
-from k3.launch.args import ResolvedConfig
-from k3.launch.placement import RayPlacement
 from k3.megatron import backend as megatron_backend
 from k3.rl import colocate
 from k3.rl.data.chat import encode_prompt
@@ -42,6 +42,7 @@ from k3.rl.trainers.group import TrainerGroup, is_trainer_group
 from k3.rl.trainers.trajectory import Trajectory
 from k3.rollout.protocol import GenerateRequest, SamplingParams
 from k3.rollout.registry import engine_kind
+from k3.settings.run import RunSettings
 from k3.settings.worker import WorkerSpec
 from k3.tokenizer import load_tokenizer
 
@@ -55,21 +56,20 @@ class Loop:
     ``k3.rl.trainers.group.TrainerGroup`` (one actor per training rank): its ``call`` runs the method on every rank
     and returns the results in rank order; rank 0's log-probs and metrics are the run's."""
 
-    def __init__(self, resolved: ResolvedConfig, trainer: Any, engines: Any, writer: MetricsWriter) -> None:
-        self.r = resolved
-        self.a = resolved.args
+    def __init__(self, settings: RunSettings, trainer: Any, engines: Any, writer: MetricsWriter) -> None:
+        self.s = settings
         self.engines = list(engines) if isinstance(engines, (list, tuple)) else [engines]
         if not self.engines:
             raise TrainingError("the loop needs at least one rollout engine")
         self.trainer, self.engine, self.w = trainer, self.engines[0], writer
         self._group = is_trainer_group(trainer)
-        self.engine_kind = engine_kind(self.a.rollout_engine)
+        self.engine_kind = engine_kind(settings.rollout_engine)
         self._trainer_asleep = False  # for trainers with sleep()/wake_up() (colocate.py's optional steps)
-        self.tokenizer = load_tokenizer(self.a.hf_checkpoint)
-        self.train_records = load_prompts(resolved.data.prompt_data)
-        self.eval_records = load_prompts(resolved.data.eval_prompt_data) if resolved.data.eval_prompt_data else []
-        self.eval_name = resolved.data.eval_dataset_name
-        self.reward_fn = get_reward_fn(self.a.reward_model)
+        self.tokenizer = load_tokenizer(settings.tokenizer_path)
+        self.train_records = load_prompts(settings.data.prompt_data)
+        self.eval_records = load_prompts(settings.data.eval_prompt_data) if settings.data.eval_prompt_data else []
+        self.eval_name = settings.data.eval_dataset_name
+        self.reward_fn = get_reward_fn(settings.reward_model)
         self.version = 0
 
     # -- pieces
@@ -77,12 +77,12 @@ class Loop:
         return encode_prompt(self.tokenizer, rec["prompt"])
 
     def _sampling(self, eval_: bool, seed: int) -> SamplingParams:
-        ro = self.r.rollout
+        ro = self.s.rollout
         if eval_:
             return SamplingParams(temperature=ro.eval_temperature, top_p=1.0,
                                   max_new_tokens=ro.eval_max_response_len, seed=seed)
         return SamplingParams(temperature=ro.rollout_temperature, top_p=ro.rollout_top_p,
-                              max_new_tokens=self.a.rollout_max_response_len, seed=seed)
+                              max_new_tokens=ro.rollout_max_response_len, seed=seed)
 
     def _reward(self, sample, label: str) -> float:
         return float(self.reward_fn(sample.text, label, tokens=sample.tokens))
@@ -140,7 +140,7 @@ class Loop:
     def evaluate(self, rollout_id: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         reqs = [GenerateRequest(self._encode(r), {"label": r["label"]}) for r in self.eval_records]
-        samples = self._generate(reqs, self._sampling(True, self.a.seed))
+        samples = self._generate(reqs, self._sampling(True, self.s.seed))
         rewards = [self._reward(s, s.meta["label"]) for s in samples]
         n_correct = int(sum(r >= 1.0 for r in rewards))
         rec = {
@@ -158,26 +158,26 @@ class Loop:
         return rec
 
     def rollout_and_train(self, rollout_id: int) -> dict[str, Any]:
-        a, ro = self.a, self.r.rollout
+        s, ro = self.s, self.s.rollout
         t_cycle = time.perf_counter()
-        idx = prompts_for_rollout(len(self.train_records), rollout_id, a.rollout_batch_size, a.seed,
+        idx = prompts_for_rollout(len(self.train_records), rollout_id, s.rollout_batch_size, s.seed,
                                   ro.rollout_shuffle)
         reqs = []
         for i in idx:  # prompt-major: the n samples of one prompt are contiguous (one GRPO group)
             rec = self.train_records[i]
             ids = self._encode(rec)
             reqs += [GenerateRequest(ids, {"label": rec["label"], "prompt_index": i})
-                     for _ in range(a.n_samples_per_prompt)]
+                     for _ in range(s.n_samples_per_prompt)]
         t0 = time.perf_counter()
-        samples = self._generate(reqs, self._sampling(False, a.seed * 7919 + rollout_id))
+        samples = self._generate(reqs, self._sampling(False, s.seed * 7919 + rollout_id))
         rollout_time = time.perf_counter() - t0
         stale = [s.adapter_version for s in samples if s.adapter_version != self.version]
         if stale:
             raise TrainingError(f"rollout {rollout_id}: samples from adapter version {stale[0]}, the trainer "
                                 f"is at version {self.version}")
         rewards = torch.tensor([self._reward(s, s.meta["label"]) for s in samples])
-        adv = group_advantages(rewards, a.n_samples_per_prompt, std_normalize=self.r.grpo.grpo_std_normalization,
-                               eps=self.r.grpo.grpo_std_eps)
+        adv = group_advantages(rewards, s.n_samples_per_prompt, std_normalize=s.grpo.grpo_std_normalization,
+                               eps=s.grpo.grpo_std_eps)
         lens = [len(s.tokens) for s in samples]
         rec = {
             "rollout/raw_reward": float(rewards.mean()),
@@ -186,7 +186,7 @@ class Loop:
             "rollout/response_len/max": max(lens),
             "rollout/truncated_ratio": sum(s.finish_reason == "length" for s in samples) / len(samples),
             "rollout/zero_std_ratio":
-                float((rewards.reshape(-1, a.n_samples_per_prompt).std(-1) == 0).float().mean()),
+                float((rewards.reshape(-1, s.n_samples_per_prompt).std(-1) == 0).float().mean()),
             "perf/rollout_time": rollout_time,
             "adapter_version": self.version,
         }
@@ -204,7 +204,7 @@ class Loop:
         trainer_lp = [lp for o in old for lp in o]
         t0 = time.perf_counter()
         train_metrics: dict[str, float] = {}
-        gbs = a.global_batch_size
+        gbs = s.global_batch_size
         for start in range(0, len(trajs), gbs):  # one optimizer step per global batch
             train_metrics = self._rank0(self.trainer.call("train_step", trajs[start:start + gbs]))
         train_time = time.perf_counter() - t0
@@ -240,11 +240,11 @@ class Loop:
     # -- the colocated hand-off (k3.rl.colocate)
     @property
     def _peak(self) -> str:
-        return self.a.colocate_memory_peak_device
+        return self.s.colocate.colocate_memory_peak_device
 
     @property
     def _levels(self) -> list[str]:
-        return list(self.a.offload_rollout_level)
+        return list(self.s.colocate.offload_rollout_level)
 
     def _on_engines(self, method: str, *args: Any) -> list[Any]:
         return call_all(self.engines, method, *args)
@@ -287,7 +287,7 @@ class Loop:
     # -- checkpoints
     def save(self, rollout_id: int) -> Path:
         """Adapter (PEFT files) + optimizer state + loop state, atomically (``k3.rl.resume.save_checkpoint``)."""
-        return save_checkpoint(self.r.run_dir, self.trainer, rollout_id, self.version)
+        return save_checkpoint(self.s.run_dir, self.trainer, rollout_id, self.version)
 
 
 def _rank_results(out: Any) -> list[dict[str, Any]]:
@@ -311,93 +311,96 @@ def _require_expert_lora_kernel(kernel: str, device: str) -> None:
                             f"trains on {device}; use --expert-lora-kernel torch")
 
 
-def _grpo_config(r: ResolvedConfig) -> GRPOConfig:
-    o = r.optimizer
-    return GRPOConfig(eps_clip=r.grpo.eps_clip, eps_clip_high=r.grpo.eps_clip_high, std_eps=r.grpo.grpo_std_eps,
-                      lr=r.args.lr, betas=(o.adam_beta1, o.adam_beta2), weight_decay=o.weight_decay)
+def _grpo_config(s: RunSettings) -> GRPOConfig:
+    o = s.optimizer
+    return GRPOConfig(eps_clip=s.grpo.eps_clip, eps_clip_high=s.grpo.eps_clip_high, std_eps=s.grpo.grpo_std_eps,
+                      lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), weight_decay=o.weight_decay)
 
 
-def worker_spec(r: ResolvedConfig) -> WorkerSpec:
-    a, t = r.args, r.training
-    device = "cuda" if r.uses_gpus and torch.cuda.is_available() else "cpu"
-    return WorkerSpec(model_dir=str(a.hf_checkpoint), lora_rank=a.lora_rank, lora_alpha=float(a.lora_alpha),
-                      lora_dropout=a.lora_dropout, target_modules=tuple(a.target_modules), device=device,
-                      dtype="bfloat16" if device == "cuda" else "float32", seed=a.seed,
-                      expert_lora_kernel=a.expert_lora_kernel, transfer_buffer=a.lora_transfer_buffer,
+def worker_spec(s: RunSettings) -> WorkerSpec:
+    """What the run's trainer and engine workers build their model from (the device: CUDA when the run uses GPUs
+    and this process sees one)."""
+    device = "cuda" if s.uses_gpus and torch.cuda.is_available() else "cpu"
+    t = s.training
+    return WorkerSpec(model_dir=str(s.tokenizer_path), lora=s.lora, device=device,
+                      dtype="bfloat16" if device == "cuda" else "float32", seed=s.seed,
+                      expert_lora_kernel=t.expert_lora_kernel, transfer_buffer=t.lora_transfer_buffer,
                       # the recipe's perf settings as resolved_config prints them (the megatron trainer applies them)
                       use_dynamic_batch_size=t.use_dynamic_batch_size, recompute_granularity=t.recompute_granularity,
                       recompute_method=t.recompute_method, recompute_num_layers=t.recompute_num_layers)
 
 
-def _wandb_run(r: ResolvedConfig):
+def _wandb_run(s: RunSettings, config: Mapping[str, Any] | None):
     """The recipe's W&B settings (project miles-run_kimi_k3_lora, group = run id); WANDB_MODE=offline works."""
     try:
         import wandb
     except ImportError:
         raise TrainingError("--enable-wandb needs wandb: pip install 'k3-lora-rl[logging]'") from None
-    return wandb.init(project="miles-run_kimi_k3_lora", group=r.args.run_id, name=r.args.run_id,
-                      dir=str(r.run_dir), config=r.to_dict())
+    return wandb.init(project="miles-run_kimi_k3_lora", group=s.run_id, name=s.run_id,
+                      dir=str(s.run_dir), config=dict(config) if config is not None else None)
 
 
-def run(resolved: ResolvedConfig, *, in_process: bool | None = None, sabotage_sync: bool = False) -> int:
-    """Run the loop; returns 0. ``in_process`` skips Ray (tests; default from ``K3_IN_PROCESS``)."""
-    a = resolved.args
-    engine = engine_kind(a.rollout_engine)
-    if a.backend == "megatron":
+def run(settings: RunSettings, *, in_process: bool | None = None, sabotage_sync: bool = False,
+        start_placement: Callable[[], Any] | None = None, wandb_config: Mapping[str, Any] | None = None) -> int:
+    """Run the loop; returns 0. ``in_process`` skips Ray (tests; default from ``K3_IN_PROCESS``). Under Ray,
+    ``start_placement()`` places the run (the launcher's ``RayPlacement.start``: an object with
+    ``create_actor``, ``actor_options`` and ``shutdown``). ``wandb_config``: the resolved config W&B records."""
+    s = settings
+    training = s.training
+    engine = engine_kind(s.rollout_engine)
+    if training.backend == "megatron":
         try:
             megatron_backend.require_cuda()  # looked up at call time: tests stand in a CPU guard
         except megatron_backend.MegatronBackendUnavailable as e:  # `k3 train` reports a TrainingError in one line
             raise TrainingError(str(e)) from None
-    spec = worker_spec(resolved)
-    _require_expert_lora_kernel(a.expert_lora_kernel, spec.device)
-    if a.backend == "torch" and resolved.layout.world_size > 1:
+    spec = worker_spec(s)
+    _require_expert_lora_kernel(training.expert_lora_kernel, spec.device)
+    if training.backend == "torch" and s.layout.world_size > 1:
         raise TrainingError(f"the torch backend trains on one rank, but this layout has "
-                            f"{resolved.layout.world_size} training ranks: use --backend megatron")
+                            f"{s.layout.world_size} training ranks: use --backend megatron")
     if in_process is None:
         in_process = os.environ.get("K3_IN_PROCESS") == "1"
-    if in_process and resolved.layout.world_size > 1:
+    if in_process and s.layout.world_size > 1:
         # One process holds one rank; the ranks of a megatron layout are Ray actors (k3.rl.trainers.group).
         raise TrainingError(f"an in-process run (K3_IN_PROCESS=1) trains on one rank, but this layout has "
-                            f"{resolved.layout.world_size} training ranks: run under Ray (unset K3_IN_PROCESS)")
-    check_engine_available(a, in_process)  # stops at once, before Ray or any model is started
+                            f"{s.layout.world_size} training ranks: run under Ray (unset K3_IN_PROCESS)")
+    if not in_process and start_placement is None:
+        raise TrainingError("a run under Ray needs its placement: pass start_placement (k3.launch.train does)")
+    check_engine_available(s.rollout_engine, s.rollout, in_process)  # stops at once, before Ray or a model starts
     # Test hook: an engine that acks every chunk but never activates (keeps serving version 0).
     sabotage_sync = sabotage_sync or os.environ.get(BREAK_SYNC_ENV) == "1"
-    if a.backend == "megatron":
-        lay = resolved.layout
-        spec = dataclasses.replace(
-            spec, backend="megatron", ref_load=a.ref_load,
-            parallel=(lay.tensor_model_parallel_size, lay.expert_model_parallel_size,
-                      lay.pipeline_model_parallel_size, lay.context_parallel_size),
-            # set only under an uneven split: first = ceil(L / PP), last = L - first·(PP - 1)
-            stage_layers=(lay.decoder_first_pipeline_num_layers, lay.decoder_last_pipeline_num_layers))
-    grpo = _grpo_config(resolved)
-    max_tokens = resolved.args.max_tokens_per_gpu or 8192
-    writer = MetricsWriter(resolved.run_dir, wandb_run=_wandb_run(resolved) if a.enable_wandb else None)
+    if training.backend == "megatron":
+        # the layout's TP/EP/PP/CP and, under an uneven split, first = ceil(L / PP), last = L - first·(PP - 1)
+        spec = dataclasses.replace(spec, backend="megatron", ref_load=training.ref_load, layout=s.layout)
+    grpo = _grpo_config(s)
+    max_tokens = training.max_tokens_per_gpu
+    writer = MetricsWriter(s.run_dir, wandb_run=_wandb_run(s, wandb_config) if s.enable_wandb else None)
     placement = None
     engines: list[Any] = []
     trainer: Any = None
     t_start = time.time()
     try:
-        writer.write("status", None, status="started", run_id=a.run_id)
+        writer.write("status", None, status="started", run_id=s.run_id)
         # Engines first: an SGLang engine takes its memory when it starts and must give it up before the
         # trainer loads (start_engines).
         if in_process:
-            engines = start_engines(resolved, spec, None, sabotage_sync)
+            engines = start_engines(s.rollout_engine, s.rollout, s.layout, s.colocate, spec, None, sabotage_sync)
             trainer = LocalHandle(TrainerWorker(spec, grpo, max_tokens))
         else:
             import ray
 
-            placement = RayPlacement.start(resolved)
-            engines = start_engines(resolved, spec, placement, sabotage_sync)
-            if a.backend == "megatron":  # one actor per training rank, joined in one process group
-                trainer = TrainerGroup.start(placement, resolved.layout.world_size, spec, grpo, max_tokens)
+            placement = start_placement()
+            engines = start_engines(s.rollout_engine, s.rollout, s.layout, s.colocate, spec, placement,
+                                    sabotage_sync)
+            if training.backend == "megatron":  # one actor per training rank, joined in one process group
+                trainer = TrainerGroup.start(placement, s.layout.world_size, spec, grpo, max_tokens)
             else:
                 trainer = RayHandle(placement.create_actor(ray.remote(TrainerWorker), 0, "trainer", spec, grpo,
                                                            max_tokens))
-        connect_engines(trainer, engines, resolved.layout.rollout_tp_size)
-        loop = Loop(resolved, trainer, engines, writer)
+        connect_engines(trainer, engines, s.layout.rollout_tp_size)
+        loop = Loop(s, trainer, engines, writer)
         start = 0
-        ckpt = latest_checkpoint(resolved.run_dir) if a.resume else None
+        ckpt = latest_checkpoint(s.run_dir) if s.resume else None
         if ckpt is not None:
             state = load_checkpoint_state(ckpt)
             trainer.call("load_adapter", str(ckpt))
@@ -407,15 +410,15 @@ def run(resolved: ResolvedConfig, *, in_process: bool | None = None, sabotage_sy
             writer.write("status", None, status="resumed", checkpoint=str(ckpt), next_rollout=start)
         # The first sync ships the freshly initialised (or resumed) adapters: version 1.
         loop.first_sync()
-        if loop.eval_records and not resolved.rollout.skip_eval_before_train and start == 0:
+        if loop.eval_records and not s.rollout.skip_eval_before_train and start == 0:
             loop.evaluate(0)
-        interval = a.eval_interval
-        for rid in range(start, a.num_rollout):
+        interval = s.eval_interval
+        for rid in range(start, s.num_rollout):
             loop.rollout_and_train(rid)
-            last = rid == a.num_rollout - 1
+            last = rid == s.num_rollout - 1
             if loop.eval_records and interval and ((rid + 1) % interval == 0 or last):
                 loop.evaluate(rid)
-            if (rid + 1) % a.save_interval == 0 or last:
+            if (rid + 1) % s.save_interval == 0 or last:
                 loop.save(rid)
         writer.write("status", None, status="finished", wall_time_s=time.time() - t_start)
         return 0

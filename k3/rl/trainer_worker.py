@@ -25,6 +25,7 @@ from k3.rl.trainers.megatron import build_megatron_policy
 from k3.rl.trainers.torch import PolicyTrainer
 from k3.rl.trainers.trajectory import Trajectory
 from k3.rollout.lora_model import load_lora_model
+from k3.settings.train import BACKENDS
 from k3.settings.worker import WorkerSpec
 from k3.tokenizer import load_tokenizer
 from k3.transport.handoff import AdapterProducer, HandoffError, TransferBuffer
@@ -43,16 +44,16 @@ class TrainerWorker:
         self._megatron = spec.backend == "megatron"
         if self._megatron:
             self.policy = build_megatron_policy(
-                spec.model_dir, spec.lora_config(), self.tokenizer.pad_id, grpo, max_tokens_per_micro_batch,
-                parallel=spec.parallel, ref_load=spec.ref_load, dtype=spec.torch_dtype(), seed=spec.seed,
-                stage_layers=spec.stage_layers, expert_lora_kernel=spec.expert_lora_kernel,
-                use_dynamic_batch_size=spec.use_dynamic_batch_size, recompute_granularity=spec.recompute_granularity,
-                recompute_method=spec.recompute_method, recompute_num_layers=spec.recompute_num_layers)
+                spec.model_dir, spec.lora, self.tokenizer.pad_id, grpo, max_tokens_per_micro_batch,
+                layout=spec.layout, ref_load=spec.ref_load, dtype=getattr(torch, spec.dtype), seed=spec.seed,
+                expert_lora_kernel=spec.expert_lora_kernel, use_dynamic_batch_size=spec.use_dynamic_batch_size,
+                recompute_granularity=spec.recompute_granularity, recompute_method=spec.recompute_method,
+                recompute_num_layers=spec.recompute_num_layers)
         elif spec.backend == "torch":
             self.policy = PolicyTrainer(load_lora_model(spec), pad_id=self.tokenizer.pad_id, grpo=grpo,
                                         max_tokens_per_micro_batch=max_tokens_per_micro_batch, device=spec.device)
         else:
-            raise ValueError(f"WorkerSpec.backend={spec.backend!r}: expected 'torch' or 'megatron'")
+            raise ValueError(f"WorkerSpec.backend={spec.backend!r}: expected one of {BACKENDS}")
         self.leak = LeakCheck(device=spec.device)
         self._syncs = 0
         self._producer = None

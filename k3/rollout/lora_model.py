@@ -19,6 +19,6 @@ __all__ = ["load_lora_model"]
 def load_lora_model(spec: WorkerSpec) -> nn.Module:
     """``KimiK3ForCausalLM`` of ``spec.model_dir`` on ``spec.device`` in ``spec.dtype``, with ``spec``'s LoRA
     attached (base frozen; the routed experts' adapters run ``spec.expert_lora_kernel``)."""
-    model = KimiK3ForCausalLM.from_pretrained(spec.model_dir, dtype=spec.torch_dtype(), device=spec.device)
+    model = KimiK3ForCausalLM.from_pretrained(spec.model_dir, dtype=getattr(torch, spec.dtype), device=spec.device)
     torch.manual_seed(spec.seed)  # the LoRA A init is then the same on every rank and every restart
-    return apply_lora(model, spec.lora_config(), expert_lora_kernel=spec.expert_lora_kernel)
+    return apply_lora(model, spec.lora, expert_lora_kernel=spec.expert_lora_kernel)

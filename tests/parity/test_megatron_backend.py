@@ -32,9 +32,10 @@ def test_require_cuda_with_cuda_returns(monkeypatch):
 
 
 def test_transformer_config_carries_k3_and_the_layout(cfg):
-    from k3.megatron.config import ParallelSizes, k3_transformer_config
+    from k3.megatron.config import k3_transformer_config
+    from k3.settings.parallel import ParallelLayout
 
-    c = k3_transformer_config(cfg, ParallelSizes(tp=2, ep=2), params_dtype=torch.bfloat16)
+    c = k3_transformer_config(cfg, ParallelLayout.model_parallel(tp=2, ep=2), params_dtype=torch.bfloat16)
     assert c.k3 is cfg
     assert (c.tensor_model_parallel_size, c.expert_model_parallel_size, c.expert_tensor_parallel_size) == (2, 2, 1)
     assert c.sequence_parallel and c.bf16 and c.params_dtype == torch.bfloat16
@@ -52,33 +53,35 @@ def test_transformer_config_carries_k3_and_the_layout(cfg):
     ({"params_dtype": torch.float16}, r"params_dtype"),
 ])
 def test_transformer_config_rejects_bad_settings(cfg, kwargs, match):
-    from k3.megatron.config import ParallelSizes, k3_transformer_config
+    from k3.megatron.config import k3_transformer_config
+    from k3.settings.parallel import ParallelLayout
 
     if "sizes" in kwargs:
         tp, ep = kwargs.pop("sizes")
-        kwargs["sizes"] = ParallelSizes(tp=tp, ep=ep)
+        kwargs["layout"] = ParallelLayout.model_parallel(tp=tp, ep=ep)
     with pytest.raises(ValueError, match=match):
         k3_transformer_config(cfg, **kwargs)
 
 
 def test_parallel_sizes_reject_non_positive():
-    from k3.megatron.config import ParallelSizes
+    from k3.settings.parallel import ParallelLayout
 
-    with pytest.raises(ValueError, match="ParallelSizes.tp=0"):
-        ParallelSizes(tp=0)
+    with pytest.raises(ValueError, match="ParallelLayout.tp=0"):
+        ParallelLayout.model_parallel(tp=0)
 
 
 @pytest.mark.parametrize("pp", [1, 3])
 def test_spec_places_layer_kinds_by_global_index_for_every_stage(cfg, pp):
-    from k3.megatron.config import ParallelSizes, k3_transformer_config
+    from k3.megatron.config import k3_transformer_config
     from k3.megatron.kda import K3KDAttention
     from k3.megatron.layer import K3RMSNorm
     from k3.megatron.mla import K3MLAttention
     from k3.megatron.mlp import K3DenseMLP
     from k3.megatron.moe import K3LatentMoE
     from k3.megatron.spec import get_k3_spec, stage_layers
+    from k3.settings.parallel import ParallelLayout
 
-    config = k3_transformer_config(cfg, ParallelSizes(pp=pp))
+    config = k3_transformer_config(cfg, ParallelLayout.model_parallel(pp=pp))
     seen = []
     for rank in range(pp):
         layers = stage_layers(config, rank)

@@ -24,12 +24,13 @@ def _load_at_tp1(hf_dir: str, dcp_dir: str) -> None:
     from k3.checkpoint.names import hf_to_megatron
     from k3.config import K3Config
     from k3.megatron.checkpoint import load_dist, local_shards, shard_of
-    from k3.megatron.config import ParallelSizes, k3_transformer_config
+    from k3.megatron.config import k3_transformer_config
+    from k3.settings.parallel import ParallelLayout
     from k3.megatron.model import k3_model_provider
     from k3.megatron.parallel import destroy_parallel, init_parallel
 
     cfg = K3Config.from_json(hf_dir)
-    init_parallel(ParallelSizes(), seed=None)
+    init_parallel(ParallelLayout.model_parallel(), seed=None)
     model = k3_model_provider(k3_transformer_config(cfg, params_dtype=torch.bfloat16, dispatcher="allgather",
                                                     perform_initialization=False))
     load_dist(model, dcp_dir)

@@ -68,7 +68,7 @@ def _check_primitives(cp: int = PRIMITIVE_CP, s: int = 32, d: int = 8, device: s
     from megatron.core import parallel_state
 
     from k3.kernels.kda.fla import kda_core
-    from k3.megatron.config import ParallelSizes
+    from k3.settings.parallel import ParallelLayout
     from k3.megatron.context_parallel import (
         cp_causal_attention,
         cp_causal_conv,
@@ -79,7 +79,7 @@ def _check_primitives(cp: int = PRIMITIVE_CP, s: int = 32, d: int = 8, device: s
     from k3.megatron.mla import causal_attention
     from k3.megatron.parallel import init_parallel
 
-    init_parallel(ParallelSizes(cp=cp))
+    init_parallel(ParallelLayout.model_parallel(cp=cp))
     group = parallel_state.get_context_parallel_group()
     kda, convs, conv_in, attn, w = _primitive_inputs(s, d, device)
     errs: dict[str, float] = {}
@@ -151,7 +151,7 @@ def _check_packed_primitives(cp: int = PRIMITIVE_CP, lengths: tuple[int, ...] = 
     from megatron.core import parallel_state
 
     from k3.kernels.kda.fla import kda_core
-    from k3.megatron.config import ParallelSizes
+    from k3.settings.parallel import ParallelLayout
     from k3.megatron.context_parallel import (
         cp_causal_attention,
         cp_causal_conv,
@@ -162,7 +162,7 @@ def _check_packed_primitives(cp: int = PRIMITIVE_CP, lengths: tuple[int, ...] = 
     from k3.megatron.packed import packed_causal_attention, packed_causal_conv
     from k3.megatron.parallel import init_parallel
 
-    init_parallel(ParallelSizes(cp=cp))
+    init_parallel(ParallelLayout.model_parallel(cp=cp))
     group = parallel_state.get_context_parallel_group()
     cu = torch.tensor([0, *itertools.accumulate(lengths)])
     kda, convs, conv_in, attn, w = _primitive_inputs(int(cu[-1]), d, device, b=1)
@@ -509,12 +509,12 @@ def test_full_model_pp_split_through_megatron_from_the_launch_layout(pp, cp, spl
     (TP/EP/PP/CP and the uneven first/last stage) -> the layers each stage builds, by megatron's own count."""
     from k3.config import variant
     from k3.launch.args import TrainArgs, resolve
-    from k3.megatron.config import ParallelSizes, k3_transformer_config
+    from k3.megatron.config import k3_transformer_config
     from k3.megatron.spec import get_k3_spec, stage_layers
 
     layout = resolve(TrainArgs(model_variant="full", num_nodes=16, num_gpus_per_node=4, run_id="t",
                                ipc_unlink_shim=False, pipeline_parallel_size=pp, context_parallel_size=cp)).layout
-    sizes = ParallelSizes.from_layout(layout)
+    sizes = layout  # megatron takes the launcher's layout itself
     assert (sizes.tp, sizes.ep, sizes.pp, sizes.cp) == (layout.tensor_model_parallel_size,
                                                         layout.expert_model_parallel_size, pp, cp)
     config = k3_transformer_config(variant("full"), sizes, perform_initialization=False)
@@ -532,10 +532,10 @@ def test_full_model_pp_split_through_megatron_from_the_launch_layout(pp, cp, spl
 
 
 def test_parallel_sizes_validation():
-    from k3.megatron.config import ParallelSizes
+    from k3.settings.parallel import ParallelLayout
 
-    with pytest.raises(ValueError, match=r"ParallelSizes.cp=0: expected an integer >= 1"):
-        ParallelSizes(cp=0)
-    with pytest.raises(ValueError, match=r"ParallelSizes.first_stage_layers=4: expected None, or an integer >= 1 "
+    with pytest.raises(ValueError, match=r"ParallelLayout.cp=0: expected an integer >= 1"):
+        ParallelLayout.model_parallel(cp=0)
+    with pytest.raises(ValueError, match=r"ParallelLayout.first_stage_layers=4: expected None, or an integer >= 1 "
                                          r"with pp > 1"):
-        ParallelSizes(first_stage_layers=4)
+        ParallelLayout.model_parallel(first_stage_layers=4)

@@ -38,11 +38,14 @@ def _policy(base: Path, parallel=(1, 1, 1, 1)):
     from k3.lora import LoRAConfig
     from k3.rl.grpo import GRPOConfig
     from k3.rl.trainers.megatron import build_megatron_policy
+    from k3.settings.parallel import ParallelLayout
 
+    tp, ep, pp, cp = parallel
+    layout = ParallelLayout.model_parallel(tp=tp, ep=ep, pp=pp, cp=cp,
+                                           first_stage_layers=4 if pp > 1 else None)  # 9 layers: 4 + 5
     return build_megatron_policy(base, LoRAConfig(rank=RANK, alpha=ALPHA), pad_id=0,
                                  grpo=GRPOConfig(lr=LR, weight_decay=0.1, clip_grad=1.0),
-                                 max_tokens_per_micro_batch=MAX_TOKENS, seed=3, parallel=parallel,
-                                 stage_layers=(4, None) if parallel[2] > 1 else (None, None),  # 9 layers: 4 + 5
+                                 max_tokens_per_micro_batch=MAX_TOKENS, seed=3, layout=layout,
                                  use_dynamic_batch_size=True)
 
 

@@ -56,10 +56,10 @@ def _megatron(cfg, ref, dtype, dispatcher="alltoall"):
 
 def _logits_check(which: str) -> dict:
     from k3.config import variant
-    from k3.megatron.config import ParallelSizes
+    from k3.settings.parallel import ParallelLayout
     from k3.megatron.parallel import init_parallel
 
-    init_parallel(ParallelSizes())
+    init_parallel(ParallelLayout.model_parallel())
     cfg = variant("tiny").replace(quantization_config=None) if which == "tiny" else _wide_config()
     ids = torch.randint(0, cfg.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1)).cuda()
     logits = {}
@@ -83,12 +83,13 @@ def _train_check() -> dict:
     from k3.config import variant
     from k3.lora import LoRAConfig
     from k3.megatron.checkpoint import load_hf_state_dict
-    from k3.megatron.config import ParallelSizes, k3_transformer_config
+    from k3.megatron.config import k3_transformer_config
+    from k3.settings.parallel import ParallelLayout
     from k3.megatron.lora import gather_lora
     from k3.megatron.parallel import init_parallel
     from k3.megatron.training import MicroBatch, build_lora_trainer
 
-    init_parallel(ParallelSizes())
+    init_parallel(ParallelLayout.model_parallel())
     cfg = variant("tiny").replace(quantization_config=None)
     ref = _reference(cfg, torch.bfloat16)
     base = {k: v.clone() for k, v in ref.state_dict().items()}

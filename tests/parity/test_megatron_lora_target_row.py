@@ -34,7 +34,8 @@ def _worker(out_path: str) -> None:
     from k3.lora.export import chunk_layout, load_adapter_tensors
     from k3.lora.linear import LoRALinear
     from k3.megatron.checkpoint import load_hf_state_dict
-    from k3.megatron.config import ParallelSizes, k3_transformer_config
+    from k3.megatron.config import k3_transformer_config
+    from k3.settings.parallel import ParallelLayout
     from k3.megatron.lora import gather_lora, load_lora
     from k3.megatron.parallel import init_parallel
     from k3.megatron.training import MicroBatch, build_lora_trainer
@@ -45,7 +46,7 @@ def _worker(out_path: str) -> None:
     cfg = variant("tiny").replace(quantization_config=None)
     torch.manual_seed(0)
     ref = KimiK3ForCausalLM(cfg)
-    sizes = ParallelSizes(tp=2)
+    sizes = ParallelLayout.model_parallel(tp=2)
     init_parallel(sizes)
     lora = LoRAConfig(rank=RANK, alpha=ALPHA, target_modules=target_names())
     assert Q_B in lora.target_modules

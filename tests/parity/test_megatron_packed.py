@@ -110,13 +110,14 @@ def _run(tp: int, ep: int, pp: int, cp: int, packed: bool, granularity: str | No
 
     from k3.lora import LoRAConfig
     from k3.megatron.checkpoint import load_hf_state_dict
-    from k3.megatron.config import ParallelSizes, k3_transformer_config
+    from k3.megatron.config import k3_transformer_config
+    from k3.settings.parallel import ParallelLayout
     from k3.megatron.lora import gather_lora, load_lora
     from k3.megatron.parallel import init_parallel
     from k3.megatron.recompute import K3_SELECTIVE_MODULES, Recompute
     from k3.megatron.training import build_lora_trainer
 
-    sizes = ParallelSizes(tp=tp, ep=ep, pp=pp, cp=cp, first_stage_layers=4 if pp > 1 else None)
+    sizes = ParallelLayout.model_parallel(tp=tp, ep=ep, pp=pp, cp=cp, first_stage_layers=4 if pp > 1 else None)
     init_parallel(sizes)
     recompute = {None: Recompute(), "full": Recompute("full", "uniform", 1),
                  "selective_all": Recompute("selective", modules=K3_SELECTIVE_MODULES)}[granularity]
@@ -158,13 +159,14 @@ def _per_token_parts(cfg, ref) -> dict:
     from megatron.core import parallel_state
 
     from k3.megatron.checkpoint import load_hf_state_dict
-    from k3.megatron.config import ParallelSizes, k3_transformer_config
+    from k3.megatron.config import k3_transformer_config
+    from k3.settings.parallel import ParallelLayout
     from k3.megatron.model import k3_model_provider
     from k3.megatron.moe import K3LatentMoE
     from k3.megatron.parallel import init_parallel
     from k3.model.attn_res import attn_res_mix
 
-    init_parallel(ParallelSizes())
+    init_parallel(ParallelLayout.model_parallel())
     model = k3_model_provider(k3_transformer_config(cfg, perform_initialization=False))
     load_hf_state_dict(model, ref.state_dict(), cfg)
     layer = next(m for m in model.decoder.layers if isinstance(m.mlp, K3LatentMoE))
@@ -193,13 +195,15 @@ def _input_errors(cfg) -> dict[str, str]:
     from megatron.core import parallel_state
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from k3.megatron.config import ParallelSizes, k3_transformer_config
+    from k3.megatron.config import k3_transformer_config
+
+    from k3.settings.parallel import ParallelLayout
     from k3.megatron.model import k3_model_provider
     from k3.megatron.packed import packed_seq_params
     from k3.megatron.parallel import init_parallel
     from k3.megatron.training import MicroBatch, _check_shapes
 
-    init_parallel(ParallelSizes())
+    init_parallel(ParallelLayout.model_parallel())
     model = k3_model_provider(k3_transformer_config(cfg))
     layer, hidden, ids = model.decoder.layers[0], torch.zeros(6, 1, cfg.hidden_size), torch.zeros(1, 6, dtype=torch.long)
     calls = {
@@ -252,13 +256,13 @@ def _gpu_check() -> dict:
 
     from k3.kernels.kda.fla import fla_available
     from k3.lora import LoRAConfig
-    from k3.megatron.config import ParallelSizes
+    from k3.settings.parallel import ParallelLayout
     from k3.megatron.lora import apply_megatron_lora
     from k3.megatron.packed import _varlen_attn, _varlen_usable, packed_seq_params
     from k3.megatron.packing import packed_bounds, sample_mean_weights
     from k3.megatron.parallel import init_parallel
 
-    init_parallel(ParallelSizes())
+    init_parallel(ParallelLayout.model_parallel())
     cfg = _wide_config()
     out = {"fla": fla_available()}
     lengths = [200, 37, 513, 64, 130]

@@ -79,14 +79,15 @@ def _run_layout(tp: int, ep: int, pp: int, cfg, ref, batches, cp: int = 1) -> di
     from k3.lora import LoRAConfig, apply_lora
     from k3.lora.export import load_adapter_tensors
     from k3.megatron.checkpoint import load_hf_state_dict
-    from k3.megatron.config import ParallelSizes, k3_transformer_config
+    from k3.megatron.config import k3_transformer_config
+    from k3.settings.parallel import ParallelLayout
     from k3.megatron.context_parallel import cp_local_tokens
     from k3.megatron.lora import apply_megatron_lora, gather_lora, load_lora
     from k3.megatron.parallel import init_parallel
     from k3.megatron.training import MicroBatch, build_lora_trainer
 
     # 9 layers over 2 stages: 4 + 5, so the stage boundary falls inside an AttnRes block (bank of 2 rows)
-    sizes = ParallelSizes(tp=tp, ep=ep, pp=pp, cp=cp, first_stage_layers=4 if pp > 1 else None)
+    sizes = ParallelLayout.model_parallel(tp=tp, ep=ep, pp=pp, cp=cp, first_stage_layers=4 if pp > 1 else None)
     init_parallel(sizes)
     out: dict = {}
     config = k3_transformer_config(cfg, sizes, perform_initialization=False)

@@ -8,9 +8,9 @@ float32) and the same trajectories: log-probs, three GRPO steps (loss, diagnosti
 exported adapters are compared here. It also saves / loads PEFT files across backends, round-trips the
 optimizer state and records the errors of bad inputs.
 
-Worker ``loop``: ``k3.rl.loop.run(in_process=True)`` with ``--backend megatron`` (``require_cuda`` patched in the
-worker only), base weights from a torch_dist checkpoint (``--ref-load``, ``load_dist``), two rollouts; its run
-directory is judged by the harness.
+Worker ``loop``: ``k3.launch.train.run_resolved(in_process=True)`` with ``--backend megatron`` (``require_cuda``
+patched in the worker only), base weights from a torch_dist checkpoint (``--ref-load``, ``load_dist``), two
+rollouts; its run directory is judged by the harness.
 """
 
 from __future__ import annotations
@@ -190,14 +190,17 @@ def _layouts_worker(root: Path) -> dict:
     from k3.lora import LoRAConfig
     from k3.rl.grpo import GRPOConfig
     from k3.rl.trainers.megatron import build_megatron_policy
+    from k3.settings.parallel import ParallelLayout
 
     one_rank = torch.load(root / "result.pt", weights_only=False)
     lora = LoRAConfig(rank=RANK, alpha=ALPHA)
     grpo = GRPOConfig(lr=LAYOUT_LR, weight_decay=0.1, clip_grad=1.0)
     out = {}
     for name, parallel in LAYOUTS.items():
+        tp, ep, pp, cp = parallel
         policy = build_megatron_policy(root / "base", lora, pad_id=0, grpo=grpo,
-                                       max_tokens_per_micro_batch=MAX_TOKENS, seed=3, parallel=parallel)
+                                       max_tokens_per_micro_batch=MAX_TOKENS, seed=3,
+                                       layout=ParallelLayout.model_parallel(tp=tp, ep=ep, pp=pp, cp=cp))
         out[name] = _layout_run(policy, one_rank["lp_torch"])
         parallel_state.destroy_model_parallel()  # the process group stays for the next layout
     if dist.get_rank() == 0:
@@ -221,8 +224,8 @@ def _loop_worker(root: Path) -> dict:
     from k3.launch.args import resolve
     from k3.launch.parser import parse_train_args
     from k3.launch.resolved_config import write_resolved_config
+    from k3.launch.train import run_resolved
     from k3.megatron.convert import convert_hf_to_dist
-    from k3.rl import loop
     from k3.rl.data.arith import write_arith_dataset
 
     k3.megatron.backend.require_cuda = lambda: None  # the CPU path under the compatibility module
@@ -235,7 +238,7 @@ def _loop_worker(root: Path) -> dict:
             "--run-dir", str(run)]
     resolved = resolve(parse_train_args(argv))
     write_resolved_config(resolved)
-    code = loop.run(resolved, in_process=True)
+    code = run_resolved(resolved, in_process=True)
     # Resume (adapter PEFT files + megatron optimizer state) in a copy of the run, one rollout more. The loop
     # leaves its in-process trainer's groups up (a Ray actor's process ends instead): tear them down first.
     from k3.megatron.parallel import destroy_parallel
@@ -244,7 +247,7 @@ def _loop_worker(root: Path) -> dict:
     resumed = root / "resumed"
     shutil.copytree(run, resumed)
     argv[argv.index("--run-dir") + 1] = str(resumed)
-    resume_code = loop.run(resolve(parse_train_args([*argv, "--resume", "--num-rollout", "3"])), in_process=True)
+    resume_code = run_resolved(resolve(parse_train_args([*argv, "--resume", "--num-rollout", "3"])), in_process=True)
     return {"code": code, "run": str(run), "resume_code": resume_code, "resumed": str(resumed)}
 
 
@@ -509,7 +512,8 @@ def test_in_process_megatron_loop_refuses_several_training_ranks(monkeypatch):
     process holds one rank, so an in-process run of a multi-rank layout stops before anything starts."""
     import k3.megatron.backend
     from k3.launch.args import TrainArgs, resolve
-    from k3.rl.loop import TrainingError, run
+    from k3.launch.train import run_resolved
+    from k3.rl.loop import TrainingError
 
     monkeypatch.setattr(k3.megatron.backend, "require_cuda", lambda: None)
     resolved = resolve(TrainArgs(model_variant="4layer", backend="megatron", run_id="t", run_dir="/nonexistent",
@@ -517,4 +521,4 @@ def test_in_process_megatron_loop_refuses_several_training_ranks(monkeypatch):
     assert resolved.layout.world_size == 8
     with pytest.raises(TrainingError, match="an in-process run .K3_IN_PROCESS=1. trains on one rank, but this "
                                             "layout has 8 training ranks: run under Ray"):
-        run(resolved, in_process=True)
+        run_resolved(resolved, in_process=True)

@@ -190,6 +190,7 @@ def _worker(root: Path) -> None:
     from k3.megatron.lora import iter_lora
     from k3.rl.grpo import GRPOConfig
     from k3.rl.trainers.megatron import build_megatron_policy
+    from k3.settings.parallel import ParallelLayout
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -203,9 +204,10 @@ def _worker(root: Path) -> None:
     old_log_probs = None
     out: dict = {}
     for name, parallel in LAYOUTS.items():
+        tp, ep, pp, cp = parallel
+        layout = ParallelLayout.model_parallel(tp=tp, ep=ep, pp=pp, cp=cp, first_stage_layers=4 if pp > 1 else None)
         policy = build_megatron_policy(root / "base", lora, pad_id=0, grpo=grpo, max_tokens_per_micro_batch=MAX_TOKENS,
-                                       seed=3, parallel=parallel, stage_layers=(4, None) if parallel[2] > 1 else
-                                       (None, None))
+                                       seed=3, layout=layout)
         got: dict = {"pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
                      "layers": [layer.layer_idx for layer in policy.model.decoder.layers]}
         _set_adapters(policy)

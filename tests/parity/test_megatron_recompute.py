@@ -78,10 +78,10 @@ def _worker(out_path: str) -> None:
     megatron_compat.install()
     from test_megatron_parallel import _reference_and_data
 
-    from k3.megatron.config import ParallelSizes
+    from k3.settings.parallel import ParallelLayout
     from k3.megatron.parallel import init_parallel
 
-    init_parallel(ParallelSizes())
+    init_parallel(ParallelLayout.model_parallel())
     cfg, ref, _ = _reference_and_data()
     torch.save({name: _held_and_grads(name, cfg, ref) for name in SETTINGS}, out_path)
 
@@ -151,14 +151,15 @@ def test_recompute_settings_are_checked(kwargs, match):
 
 def test_uniform_chunks_must_divide_every_pipeline_stage():
     from k3.config import variant
-    from k3.megatron.config import ParallelSizes, k3_transformer_config
+    from k3.megatron.config import k3_transformer_config
+    from k3.settings.parallel import ParallelLayout
     from k3.megatron.recompute import Recompute
 
     cfg = variant("tiny").replace(quantization_config=None)  # 9 layers
     with pytest.raises(ValueError, match=r"stages hold \[4, 5\] layers"):
-        k3_transformer_config(cfg, ParallelSizes(pp=2, first_stage_layers=4),
+        k3_transformer_config(cfg, ParallelLayout.model_parallel(pp=2, first_stage_layers=4),
                               recompute=Recompute("full", "uniform", 2))
-    config = k3_transformer_config(cfg, ParallelSizes(pp=2, first_stage_layers=4),
+    config = k3_transformer_config(cfg, ParallelLayout.model_parallel(pp=2, first_stage_layers=4),
                                    recompute=Recompute("full", "block", 2))
     assert (config.recompute_granularity, config.recompute_method, config.recompute_num_layers) == ("full", "block", 2)
     selective = k3_transformer_config(cfg, recompute=Recompute("selective", modules=("moe", "layernorm")))

@@ -164,13 +164,13 @@ def test_mode_optimizer_and_memory_margin():
     assert debug.args.lr == 1e-6
     assert (debug.optimizer.optimizer, debug.optimizer.sgd_momentum, debug.optimizer.weight_decay,
             debug.optimizer.lr_decay_style) == ("sgd", 0.0, 0.0, "constant")
-    assert debug.memory.train_memory_margin_bytes == 2 * GIB
+    assert debug.colocate.train_memory_margin_bytes == 2 * GIB
     assert debug.rollout.sglang_context_length == 8192
     normal = resolve(TrainArgs(mode="normal", run_id="t"))
     assert normal.args.lr == 1e-5
     assert (normal.optimizer.optimizer, normal.optimizer.weight_decay, normal.optimizer.adam_beta1,
             normal.optimizer.adam_beta2) == ("adam", 0.1, 0.9, 0.98)
-    assert normal.memory.train_memory_margin_bytes == 4 * GIB
+    assert normal.colocate.train_memory_margin_bytes == 4 * GIB
     assert normal.rollout.sglang_context_length is None
     # The recipe's Megatron optimizer offload only exists on the megatron backend.
     assert (normal.optimizer.optimizer_cpu_offload, normal.optimizer.optimizer_offload_fraction) == (False, 0.0)
@@ -389,8 +389,9 @@ def test_help_lists_every_flag_with_default_and_variable():
 
 
 def test_expert_lora_kernel_choices_are_the_kernel_modules():
-    """args.py keeps its own copy (it must not load torch and Triton just to parse flags): they may not drift."""
+    """k3.settings.train keeps its own copy (kernels are leaves, and the settings must not load torch and Triton
+    just to parse flags): they may not drift."""
     from k3.kernels.expert_lora.function import KERNEL_CHOICES
-    from k3.launch.args import EXPERT_LORA_KERNELS
+    from k3.settings.train import EXPERT_LORA_KERNELS
 
     assert EXPERT_LORA_KERNELS == KERNEL_CHOICES

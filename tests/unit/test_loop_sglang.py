@@ -228,21 +228,21 @@ def test_without_sglang_the_sglang_run_stops_at_once(tiny, tmp_path, capsys):
     resolved = resolve(parse_train_args([*argv[:argv.index("--run-dir")], "--run-dir", str(tmp_path / "run2"),
                                          *argv[argv.index("--run-dir") + 2:]], environ={}))
     with pytest.raises(loop_mod.TrainingError, match=r"sglang==0\.5\.23.*not installed.*--rollout-engine embedded"):
-        loop_mod.run(resolved, in_process=True)
+        loop_mod.run(resolved.settings, in_process=True)
     assert not (tmp_path / "run2" / "metrics.jsonl").exists()
 
 
 # ============================================================================ the hand-off: partial versions
 def _worker(root: Path, rank: int = 4) -> tuple[SGLangEngineWorker, LoRAConfig]:
-    from k3.rollout.sglang.server_args import build_server_args
+    from k3.rollout.sglang.server_args import build_server_args, settings_from_dict
 
-    spec = WorkerSpec(model_dir=str(root / "base"), lora_rank=rank, lora_alpha=2.0 * rank, lora_dropout=0.0,
-                      target_modules=target_names())
+    spec = WorkerSpec(model_dir=str(root / "base"), lora=LoRAConfig(rank=rank, alpha=2.0 * rank, dropout=0.0,
+                                                                     target_modules=target_names()))
     worker = SGLangEngineWorker(spec, sglang_path=str(FAKE))
-    worker.start(build_server_args({"hf_checkpoint": str(root / "base"), "model_variant": "tiny",
-                                    "rollout_num_gpus_per_engine": 1, "lora_rank": rank,
-                                    "target_modules": list(target_names())}))
-    return worker, spec.lora_config()
+    worker.start(build_server_args(*settings_from_dict({"hf_checkpoint": str(root / "base"), "model_variant": "tiny",
+                                                        "rollout_num_gpus_per_engine": 1, "lora_rank": rank,
+                                                        "target_modules": list(target_names())})))
+    return worker, spec.lora
 
 
 def _version(lora: LoRAConfig, version: int, scale: float = 0.01) -> list[AdapterChunk]:

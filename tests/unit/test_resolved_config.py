@@ -145,7 +145,7 @@ def tiny_inputs(tmp_path):
 def fake_loop(monkeypatch):
     calls = []
     module = types.ModuleType("k3.rl.loop")
-    module.run = calls.append
+    module.run = lambda settings, **kwargs: calls.append(settings)
     monkeypatch.setitem(sys.modules, "k3.rl.loop", module)
     return calls
 
@@ -154,8 +154,8 @@ def test_train_writes_config_and_hands_the_run_to_the_loop(tiny_inputs, fake_loo
     argv, run_dir = tiny_inputs
     assert train_cmd.main(argv) == 0
     assert len(fake_loop) == 1
-    resolved = fake_loop[0]
-    assert resolved.args.run_id == "tiny1" and resolved.layout.world_size == 1
+    settings = fake_loop[0]  # the loop gets the run's typed settings
+    assert settings.run_id == "tiny1" and settings.layout.world_size == 1
     assert read_resolved_config(run_dir)["run_id"] == "tiny1"
     assert parse_dump((run_dir / "resolved_config.txt").read_text())["model_variant"] == "tiny"
     assert "layout: TP1 × CP1 × PP1 × DP1 = 1 CPU rank" in capsys.readouterr().out
@@ -215,7 +215,7 @@ def test_resume_keeps_the_run_id_and_rejects_incompatible_flags(tiny_inputs, fak
     no_id = [w for i, w in enumerate(argv) if w != "--run-id" and (i == 0 or argv[i - 1] != "--run-id")]
     assert train_cmd.main(no_id + ["--resume", "--num-rollout", "5"]) == 0
     resumed = fake_loop[-1]
-    assert resumed.args.run_id == "tiny1" and resumed.args.num_rollout == 5 and resumed.args.resume is True
+    assert resumed.run_id == "tiny1" and resumed.num_rollout == 5 and resumed.resume is True
     out = capsys.readouterr().out
     assert "resume: num_rollout 2 -> 5" in out
     assert json.loads((run_dir / "resolved_config.previous.json").read_text())["num_rollout"] == 2

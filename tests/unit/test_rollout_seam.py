@@ -74,12 +74,11 @@ def test_sglang_inputs_and_availability_are_asked_of_the_engine(tmp_path):
 
 
 def test_the_broken_sync_hook_is_refused_on_an_engine_without_it():
-    resolved = SimpleNamespace(args=SimpleNamespace(rollout_engine="sglang"))
     with pytest.raises(TrainingError, match=r"the broken-sync test hook \(K3_TEST_BREAK_ADAPTER_SYNC\) is the "
                                             "embedded engine's"):
-        start_engines(resolved, None, None, sabotage_sync=True)
+        start_engines("sglang", None, None, None, None, None, sabotage_sync=True)
     with pytest.raises(ValueError, match="the broken-sync test hook is the embedded engine's"):
-        engine_kind("sglang").start(resolved, None, None, sabotage_sync=True)
+        engine_kind("sglang").start(None, None, None, None, None, sabotage_sync=True)
 
 
 def test_rollout_imports_nothing_of_rl_or_launch():

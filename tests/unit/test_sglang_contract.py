@@ -450,8 +450,10 @@ def _fits(node: ast.expr, value) -> bool:
     return True
 
 
-def _resolved(words: str):
-    return resolve(parse_train_args(words.split(), environ={}))
+def _server_settings(words: str):
+    """What ``build_server_args`` takes, of a resolved ``k3 train`` command line."""
+    settings = resolve(parse_train_args(words.split(), environ={})).settings
+    return settings.rollout, settings.lora, settings.colocate
 
 
 SERVER_ARG_CASES = {
@@ -477,7 +479,7 @@ SERVER_ARG_CASES = {
 @pytest.mark.parametrize("case", list(SERVER_ARG_CASES))
 def test_server_args_are_sglang_fields_with_fitting_values(src, case):
     words, overrides = SERVER_ARG_CASES[case]
-    args = build_server_args(_resolved(words), **overrides)
+    args = build_server_args(*_server_settings(words), **overrides)
     fields = _server_arg_fields(src)
     problems = []
     for key, value in args.items():

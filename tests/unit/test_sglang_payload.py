@@ -21,7 +21,7 @@ from k3.rollout.sglang.errors import SGLangError, SGLangUnavailableError
 from k3.rollout.sglang.payload import BucketEntry, build_lora_payload, sglang_bucket_payload, unflatten_lora_payload
 from k3.rollout.sglang.results import sample_from_output
 from k3.rollout.sglang.sampling import build_sampling_params
-from k3.rollout.sglang.server_args import build_server_args
+from k3.rollout.sglang.server_args import build_server_args, settings_from_dict
 from k3.rollout.sglang.surface import CLUSTER_INSTALL_HINT, supports_streamed_lora_load
 
 R, H = 4, 16
@@ -145,6 +145,12 @@ def resolved(words: str):
     return resolve(parse_train_args(words.split(), environ={}))
 
 
+def server_settings(words: str):
+    """The settings ``build_server_args`` takes, of a resolved ``k3 train`` command line."""
+    r = resolved(words)
+    return r.settings.rollout, r.settings.lora, r.settings.colocate
+
+
 FOUR_LAYER = ("--model-variant 4layer --backend megatron --rollout-engine sglang --task dapo-math --num-rollout 10 "
               "--hf-checkpoint /ckpt/4layer --ref-load /ckpt/dcp --data-dir /data --run-id t")
 VALIDATED = ("--mode normal --model-variant full --task dapo-math --reward-model deepscaler --num-nodes 16 "
@@ -156,7 +162,7 @@ HF_TARGETS = ["o_proj", "q_a_proj", "kv_a_proj_with_mqa", "gate_proj", "up_proj"
 
 
 def test_server_args_of_the_4layer_smoke():
-    assert build_server_args(resolved(FOUR_LAYER)) == {
+    assert build_server_args(*server_settings(FOUR_LAYER)) == {
         "model_path": "/ckpt/4layer", "trust_remote_code": True, "tp_size": 8, "ep_size": 8,
         "weight_version": "0", "enable_lora": True, "max_loras_per_batch": 1, "max_lora_rank": 16,
         "lora_target_modules": HF_TARGETS, "lora_backend": "triton", "lora_strict_loading": True,
@@ -168,10 +174,10 @@ def test_server_args_of_the_4layer_smoke():
 
 
 def test_server_args_of_the_validated_full_launch():
-    r = resolved(VALIDATED)
+    r = server_settings(VALIDATED)
     with pytest.raises(ValueError, match=r"TP 16 spans 4 nodes of 4 GPUs: pass dist_init_addr and node_rank"):
-        build_server_args(r)
-    args = build_server_args(r, dist_init_addr="10.0.0.1:5000", node_rank=2)
+        build_server_args(*r)
+    args = build_server_args(*r, dist_init_addr="10.0.0.1:5000", node_rank=2)
     expected = {
         "tp_size": 16, "ep_size": 1, "nnodes": 4, "node_rank": 2, "dist_init_addr": "10.0.0.1:5000",
         "max_lora_rank": 32, "max_running_requests": 8, "max_mamba_cache_size": 40,
@@ -187,15 +193,17 @@ def test_server_args_of_the_validated_full_launch():
 
 
 def test_server_args_follow_the_flags():
-    r = resolved(FOUR_LAYER + " --no-lora-base-cpu-backup --lora-rank 8 --sglang-max-total-tokens 4096 --seed 7")
-    args = build_server_args(r)
+    r = server_settings(FOUR_LAYER + " --no-lora-base-cpu-backup --lora-rank 8 --sglang-max-total-tokens 4096 "
+                        "--seed 7")
+    args = build_server_args(*r)
     assert (args["enable_weights_cpu_backup"], args["max_lora_rank"], args["max_total_tokens"],
             args["random_seed"]) == (False, 8, 4096, 7)
 
 
 def test_server_args_from_plain_keywords_and_overrides():
-    args = build_server_args({"hf_checkpoint": "/m", "model_variant": "tiny", "rollout_num_gpus_per_engine": 1,
-                              "lora_rank": 4, "target_modules": ["self_attention.o_proj"]},
+    args = build_server_args(*settings_from_dict({"hf_checkpoint": "/m", "model_variant": "tiny",
+                                                  "rollout_num_gpus_per_engine": 1, "lora_rank": 4,
+                                                  "target_modules": ["self_attention.o_proj"]}),
                              mem_fraction_static=0.5, enable_weights_cpu_backup=None, log_level="info")
     assert args["tp_size"] == 1 and args["ep_size"] == 1 and args["max_running_requests"] == 64
     assert args["lora_target_modules"] == ["o_proj"] and args["mem_fraction_static"] == 0.5
@@ -216,12 +224,26 @@ def test_server_args_errors_name_the_key(change, message):
             "target_modules": ["self_attention.o_proj"]}
     flat.update(change)
     with pytest.raises(ValueError, match=message):
-        build_server_args(flat)
+        build_server_args(*settings_from_dict(flat))
 
 
 def test_server_args_reject_other_inputs():
-    with pytest.raises(TypeError, match="ResolvedConfig or a mapping"):
-        build_server_args(["hf_checkpoint"])
+    with pytest.raises(TypeError, match="expected a mapping"):
+        settings_from_dict(["hf_checkpoint"])
+
+
+def test_server_args_of_a_resolved_config_read_back_equal_the_typed_ones(tmp_path):
+    """A resolved_config.json read back (what a CI script has) gives the same server arguments as the run's own
+    typed settings."""
+    from k3.launch.resolved_config import read_resolved_config, write_resolved_config
+
+    for words in (FOUR_LAYER, VALIDATED):
+        r = resolved(words)
+        write_resolved_config(r, tmp_path)
+        flat = read_resolved_config(tmp_path)
+        overrides = {"dist_init_addr": "10.0.0.1:5000", "node_rank": 1}
+        assert build_server_args(*settings_from_dict(flat), **overrides) == build_server_args(
+            r.settings.rollout, r.settings.lora, r.settings.colocate, **overrides)
 
 
 # ============================================================================ sampling
@@ -587,10 +609,10 @@ def test_engine_arguments_are_checked():
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="sglang is installed here")
 def test_without_sglang_the_engine_says_how_to_install_it():
     with pytest.raises(SGLangUnavailableError) as e:
-        SGLangEngine(build_server_args(resolved(FOUR_LAYER)))
+        SGLangEngine(build_server_args(*server_settings(FOUR_LAYER)))
     assert CLUSTER_INSTALL_HINT in str(e.value) and "0.5.23" in str(e.value)
     with pytest.raises(SGLangUnavailableError):
-        SGLangEngine.from_resolved(resolved(FOUR_LAYER))
+        SGLangEngine.from_settings(*server_settings(FOUR_LAYER))
 
 
 # ============================================================================ chunk-by-chunk loading (the hand-off's path)

@@ -317,7 +317,7 @@ _KILLED_SAVE = textwrap.dedent("""
                 os.fsync(f.fileno())
             os.kill(os.getpid(), signal.SIGKILL)
 
-    Loop.save(SimpleNamespace(r=SimpleNamespace(run_dir=run), trainer=DyingTrainer(), version=3), 2)
+    Loop.save(SimpleNamespace(s=SimpleNamespace(run_dir=run), trainer=DyingTrainer(), version=3), 2)
 """)
 
 

@@ -34,7 +34,8 @@ splits over CP and TP.
 Activation recompute (``recompute_granularity`` / ``recompute_method`` / ``recompute_num_layers``) is megatron's
 (``k3.megatron.recompute``); it changes the memory held, never the numbers.
 
-Layout: ``parallel = (TP, EP, PP, CP)`` from the resolved launcher layout; the policy runs under TP, EP (with
+Layout: the run's ``ParallelLayout`` (TP, EP, PP, CP and the pipeline split; ``parallel`` = (TP, EP, PP, CP) in
+the optimizer state); the policy runs under TP, EP (with
 DP) and CP (tests/parity/test_megatron_policy.py: equal to one rank); the loop runs one policy per training
 rank, each in its own Ray actor (``k3.rl.trainers.group``), every rank given the same trajectories. Under PP
 the adapter export streams: each chunk is made by the stage holding its layer and broadcast over the PP group,
@@ -58,6 +59,7 @@ from k3.checkpoint.hf_io import CheckpointError
 from k3.checkpoint.names import NameMapError, hf_lora_to_megatron, megatron_lora_to_hf
 from k3.config import K3Config
 from k3.settings.lora import LoRAConfig, LoRAConfigError
+from k3.settings.parallel import ParallelLayout
 from k3.lora.export import (AdapterChunk, ChunkAllocator, ChunkSpec, ExportError, PEFT_PREFIX, chunk_layout,
                             read_peft_adapter_config, write_peft_adapter)
 from k3.rl.grpo import GRPOConfig, policy_loss
@@ -69,12 +71,6 @@ __all__ = ["BACKEND", "MegatronPolicy", "build_megatron_policy"]
 BACKEND = "megatron"  # tag of the optimizer state: a torch-backend state cannot be loaded here, and back
 
 
-def _parallel_sizes(tp: int, ep: int, pp: int, cp: int, first: int | None = None, last: int | None = None):
-    from k3.megatron.config import ParallelSizes
-
-    return ParallelSizes(tp=tp, ep=ep, pp=pp, cp=cp, first_stage_layers=first, last_stage_layers=last)
-
-
 def build_megatron_policy(
     model_dir: str | Path,
     lora: LoRAConfig,
@@ -82,28 +78,26 @@ def build_megatron_policy(
     grpo: GRPOConfig | None = None,
     max_tokens_per_micro_batch: int = 8192,
     *,
-    parallel: tuple[int, int, int, int] = (1, 1, 1, 1),
+    layout: ParallelLayout | None = None,
     ref_load: str | Path | None = None,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
-    stage_layers: tuple[int | None, int | None] = (None, None),
     expert_lora_kernel: str = "torch",
     use_dynamic_batch_size: bool = False,
     recompute_granularity: str | None = None,
     recompute_method: str | None = None,
     recompute_num_layers: int | None = None,
 ) -> MegatronPolicy:
-    """Join the process group, create megatron's TP/EP/PP groups for ``parallel`` = (TP, EP, PP, CP) and build
+    """Join the process group, create megatron's TP/EP/PP/CP groups for ``layout`` (its model-parallel sizes and
+    pipeline split; None: one rank of everything, ``ParallelLayout.model_parallel()``) and build
     this rank's policy: the K3 config of the BF16 HF checkpoint ``model_dir`` (the engine's), base weights from
     the torch_dist checkpoint ``ref_load`` when given (``load_dist``, any source layout) or else from
     ``model_dir`` (``load_hf_checkpoint``), adapters seeded by ``seed``, megatron's Adam with ``grpo``'s
-    settings (default ``GRPOConfig()``, the recipe's). ``stage_layers``: the layers of the first and of the
-    last pipeline stage under an uneven split (megatron's ``--decoder-first/last-pipeline-num-layers``; None:
-    even). ``expert_lora_kernel``: ``torch`` or ``triton``, how the routed-expert adapters run
-    (``apply_megatron_lora``). On CUDA the model goes to the current device (``init_parallel`` sets it from
-    ``LOCAL_RANK``). ``use_dynamic_batch_size``: packed micro-batches and the recipe's loss (module docstring);
-    ``recompute_*``: megatron's activation recompute (``k3.megatron.recompute.Recompute``; checked here, before
-    any process group is joined)."""
+    settings (default ``GRPOConfig()``, the recipe's). ``expert_lora_kernel``: ``torch`` or ``triton``, how the
+    routed-expert adapters run (``apply_megatron_lora``). On CUDA the model goes to the current device
+    (``init_parallel`` sets it from ``LOCAL_RANK``). ``use_dynamic_batch_size``: packed micro-batches and the
+    recipe's loss (module docstring); ``recompute_*``: megatron's activation recompute
+    (``k3.megatron.recompute.Recompute``; checked here, before any process group is joined)."""
     from k3.megatron.checkpoint import load_dist, load_hf_checkpoint, read_dist_config
     from k3.megatron.config import k3_transformer_config
     from k3.megatron.parallel import init_parallel
@@ -126,10 +120,10 @@ def build_megatron_policy(
             raise CheckpointError(f"--ref-load {ref_load} holds a different model than --hf-checkpoint "
                                   f"{model_dir} (their configs differ): convert the engine's checkpoint with "
                                   f"k3 convert hf-to-dist --hf-checkpoint {model_dir} --save DCP")
-    sizes = _parallel_sizes(*parallel, *stage_layers)
-    config = k3_transformer_config(cfg, sizes, params_dtype=dtype, perform_initialization=False,
+    layout = ParallelLayout.model_parallel() if layout is None else layout
+    config = k3_transformer_config(cfg, layout, params_dtype=dtype, perform_initialization=False,
                                    recompute=recompute)  # validates
-    init_parallel(sizes, seed=seed)
+    init_parallel(layout, seed=seed)
 
     def load_base(model: torch.nn.Module) -> None:
         if ref_load is not None:
@@ -141,8 +135,8 @@ def build_megatron_policy(
                                  weight_decay=grpo.weight_decay, betas=grpo.betas, adam_eps=grpo.adam_eps,
                                  lora_seed=seed, expert_lora_kernel=expert_lora_kernel)
     return MegatronPolicy(trainer, cfg, lora, pad_id=pad_id, grpo=grpo,
-                          max_tokens_per_micro_batch=max_tokens_per_micro_batch, parallel=parallel,
-                          dynamic_batch=use_dynamic_batch_size)
+                          max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+                          parallel=(layout.tp, layout.ep, layout.pp, layout.cp), dynamic_batch=use_dynamic_batch_size)
 
 
 @dataclass

@@ -20,6 +20,7 @@ from k3.rollout.embedded.adapter_loader import AdapterLoader
 from k3.rollout.embedded.sampling import sample_next
 from k3.rollout.errors import EngineStateError
 from k3.rollout.protocol import GenerateRequest, Sample, SamplingParams, check_tags
+from k3.settings.rollout import ROLLOUT_MAX_CONCURRENCY
 
 
 class EmbeddedEngine:
@@ -35,7 +36,7 @@ class EmbeddedEngine:
         model: torch.nn.Module | str | Path,
         tokenizer: Any,
         lora_config: Any | None = None,
-        max_concurrency: int = 64,
+        max_concurrency: int = ROLLOUT_MAX_CONCURRENCY,
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         cpu_backup: bool = True,

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from k3.rollout.engine_kind import EngineKind
+from k3.settings.colocate import ColocateSettings
+from k3.settings.parallel import ParallelLayout
+from k3.settings.rollout import RolloutSettings
+
+if TYPE_CHECKING:  # the worker spec's module name ends in .worker: the registry stays visibly engine-free
+    from k3.settings.worker import WorkerSpec
 
 __all__ = ["EmbeddedKind"]
 
@@ -20,8 +26,9 @@ class EmbeddedKind(EngineKind):
     shutdown_with_run = False
     has_sabotage_hook = True
 
-    def start(self, resolved: Any, spec: Any, placement: Any | None, *, sabotage_sync: bool = False) -> list[Any]:
+    def start(self, rollout: RolloutSettings, layout: ParallelLayout, colocate: ColocateSettings, spec: WorkerSpec,
+              placement: Any | None, *, sabotage_sync: bool = False) -> list[Any]:
         # Imported here: the engine loads torch and the model, which the registry's importers must not.
         from k3.rollout.embedded.start import start_engine
 
-        return [start_engine(resolved, spec, placement, sabotage_sync=sabotage_sync)]
+        return [start_engine(rollout, spec, placement, sabotage_sync=sabotage_sync)]

@@ -51,7 +51,7 @@ class EngineWorker:
     # -- hand-off
     def listen(self) -> tuple[str, bytes]:
         """Open the adapter socket; returns ``(address, authkey)`` for the trainer's ``TrainerWorker.connect``."""
-        layout = chunk_layout(self.engine.model.config, self.spec.lora_config())
+        layout = chunk_layout(self.engine.model.config, self.spec.lora)
         expected = {name: shape for c in layout for name, shape in c.tensors}
         path = os.path.join(tempfile.mkdtemp(prefix="k3-sync-"), "adapter.sock")
         authkey = secrets.token_bytes(16)

@@ -17,9 +17,12 @@ from k3.rollout.sglang.errors import SGLangError
 from k3.rollout.sglang.payload import build_lora_payload, tensor_checksums
 from k3.rollout.sglang.results import sample_from_output
 from k3.rollout.sglang.sampling import build_sampling_params
-from k3.rollout.sglang.server_args import build_server_args, flat_config
+from k3.rollout.sglang.server_args import build_server_args
 from k3.rollout.sglang.surface import STREAMED_LOAD_FIELDS
 from k3.rollout.sglang.version_stream import VersionStream
+from k3.settings.colocate import ColocateSettings
+from k3.settings.lora import LoRAConfig
+from k3.settings.rollout import RolloutSettings
 
 __all__ = ["LOAD_MODES", "LORA_NAME", "PAUSE_MODES", "AdapterLoad", "SGLangEngine"]
 
@@ -33,8 +36,8 @@ LOAD_MODES = ("auto", "streamed", "whole")
 class SGLangEngine:
     """The rollout-engine protocol on ``sglang.Engine``, plus the sync controls the trainer needs.
 
-    ``server_args``: ``sglang.Engine`` keywords (:func:`build_server_args`; :meth:`from_resolved` builds them
-    from a run's config). ``tokenizer``: optional, with ``eos_id`` (added to the stop tokens, like the embedded
+    ``server_args``: ``sglang.Engine`` keywords (:func:`build_server_args`; :meth:`from_settings` builds them
+    from a run's settings). ``tokenizer``: optional, with ``eos_id`` (added to the stop tokens, like the embedded
     engine) and ``decode`` (used only if SGLang returns no text). ``load_mode``: ``auto`` (``streamed`` when the
     installed SGLang takes chunk streams, else ``whole``), ``streamed`` or ``whole``. ``atomic_swap``: keep the
     previous version until the new one is complete. ``pause_mode``: SGLang's pause mode around an adapter
@@ -86,12 +89,11 @@ class SGLangEngine:
         self._open_load: AdapterLoad | None = None
 
     @classmethod
-    def from_resolved(cls, resolved: Any, server_overrides: Mapping[str, Any] | None = None,
-                      **engine_kwargs: Any) -> "SGLangEngine":
-        """An engine for one rollout engine of a resolved ``k3 train`` run (``ResolvedConfig``)."""
-        args = build_server_args(resolved, **dict(server_overrides or {}))
-        flat = flat_config(resolved)
-        engine_kwargs.setdefault("verify_checksums", bool(flat.get("check_weight_update_equal", False)))
+    def from_settings(cls, rollout: RolloutSettings, lora: LoRAConfig, colocate: ColocateSettings,
+                      server_overrides: Mapping[str, Any] | None = None, **engine_kwargs: Any) -> "SGLangEngine":
+        """An engine for one rollout engine of a run, from its settings (:func:`build_server_args`)."""
+        args = build_server_args(rollout, lora, colocate, **dict(server_overrides or {}))
+        engine_kwargs.setdefault("verify_checksums", bool(rollout.check_weight_update_equal))
         return cls(args, **engine_kwargs)
 
     # ------------------------------------------------------------------ generation

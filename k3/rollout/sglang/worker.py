@@ -122,7 +122,7 @@ class SGLangEngineWorker:
         """Open the adapter socket; returns ``(address, authkey)`` for the trainer's ``TrainerWorker.connect``."""
         engine = self._head("listen")
         cfg = K3Config.from_json(Path(self.spec.model_dir) / "config.json")
-        expected = {name: shape for c in chunk_layout(cfg, self.spec.lora_config()) for name, shape in c.tensors}
+        expected = {name: shape for c in chunk_layout(cfg, self.spec.lora) for name, shape in c.tensors}
         self._forwarder = SGLangAdapterForwarder(engine, expected, run=self._on_engine_thread)
         path = os.path.join(tempfile.mkdtemp(prefix="k3-sync-"), "adapter.sock")
         authkey = secrets.token_bytes(16)
