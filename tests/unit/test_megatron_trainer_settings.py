@@ -24,7 +24,7 @@ def _resolved(tmp_path, *extra):
 
 def test_worker_spec_carries_the_printed_perf_settings(tmp_path):
     r = _resolved(tmp_path, "--backend", "megatron")
-    spec = worker_spec(r)
+    spec = worker_spec(r.settings)
     t = r.training
     assert (spec.use_dynamic_batch_size, spec.recompute_granularity, spec.recompute_method,
             spec.recompute_num_layers) == (t.use_dynamic_batch_size, t.recompute_granularity, t.recompute_method,
@@ -47,7 +47,7 @@ def test_trainer_worker_hands_them_to_the_megatron_policy(tmp_path, monkeypatch)
     monkeypatch.setattr(trainer_worker, "build_megatron_policy", fake_policy)
     monkeypatch.setattr(trainer_worker, "load_tokenizer", lambda _: Tokenizer())
     r = _resolved(tmp_path, "--backend", "megatron", "--max-tokens-per-gpu", "4096")
-    spec = dataclasses.replace(worker_spec(r), backend="megatron")
+    spec = dataclasses.replace(worker_spec(r.settings), backend="megatron")
     trainer_worker.TrainerWorker(spec, GRPOConfig(), r.args.max_tokens_per_gpu)
     assert seen["max_tokens"] == 4096
     assert (seen["use_dynamic_batch_size"], seen["recompute_granularity"], seen["recompute_method"],
