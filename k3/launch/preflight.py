@@ -10,8 +10,9 @@ refused in one line before anything is written:
 - the training and eval data are non-empty and every record parses (``k3.rl.data.records.read_records``: the
   loop's own validation, so what passes here loads there);
 - optional dependencies a flag asks for are installed (``--enable-wandb``: wandb);
-- ``--resume`` has a checkpoint to continue from (:func:`resume_refusal`), and no live process holds the
-  directory (:func:`k3.launch.run_lock.holder_of`).
+- ``--resume`` has a checkpoint to continue from (:func:`resume_refusal`).
+
+Whether another live process holds the directory is :func:`k3.launch.run_lock.refuse_if_held`'s to say.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from pathlib import Path
 
 from k3.launch.args import ResolvedConfig
 from k3.launch.parser import flag_name
-from k3.launch.run_lock import holder_of
 
 __all__ = ["input_problems", "non_finite_flags", "resume_refusal"]
 
@@ -46,10 +46,6 @@ def input_problems(resolved: ResolvedConfig) -> list[str]:
     if a.enable_wandb and importlib.util.find_spec("wandb") is None:
         problems.append("--enable-wandb needs wandb, which is not installed: pip install 'k3-lora-rl[logging]', "
                         "or drop --enable-wandb")
-    if resolved.run_dir.exists():
-        holder = holder_of(resolved.run_dir)
-        if holder is not None:
-            problems.append(f"--run-dir {resolved.run_dir} is in use by another k3 train ({holder})")
     return problems
 
 

@@ -15,7 +15,7 @@ import os
 import socket
 from pathlib import Path
 
-__all__ = ["LOCK_NAME", "RunDirectoryBusy", "RunLock", "holder_of"]
+__all__ = ["LOCK_NAME", "RunDirectoryBusy", "RunLock", "holder_of", "refuse_if_held"]
 
 LOCK_NAME = "run.lock"
 
@@ -88,6 +88,13 @@ def holder_of(run_dir: str | Path) -> str | None:
         return None
     finally:
         os.close(fd)
+
+
+def refuse_if_held(run_dir: str | Path) -> None:
+    """Raise :class:`RunDirectoryBusy` when a live process holds ``run_dir``'s lock (writes nothing)."""
+    run_dir = Path(run_dir)
+    if holder_of(run_dir) is not None:
+        raise RunDirectoryBusy(_busy_message(run_dir, run_dir / LOCK_NAME))
 
 
 def _holder(path: Path) -> str:

@@ -23,7 +23,7 @@ from k3.launch.args import LaunchConfigError, ResolvedConfig, TrainArgs, resolve
 from k3.launch.failed_start import is_failed_start, set_aside_failed_start
 from k3.launch.parser import parse_train_args
 from k3.launch.resolved_config import JSON_NAME, print_args_table, read_resolved_config, write_resolved_config
-from k3.launch.run_lock import RunDirectoryBusy, RunLock
+from k3.launch.run_lock import RunDirectoryBusy, RunLock, refuse_if_held
 from k3.rollout.registry import engine_kind
 
 __all__ = ["train", "main", "check_inputs", "RESUME_MUST_MATCH"]
@@ -57,6 +57,11 @@ def main(argv: Sequence[str]) -> int:
     except (LaunchConfigError, FileNotFoundError) as e:
         print(f"k3 train: error: {e}", file=sys.stderr)
         return 2
+    try:
+        refuse_if_held(resolved.run_dir)  # a running run's directory: say so first, whatever else is wrong
+    except RunDirectoryBusy as e:
+        print(f"k3 train: error: {e}", file=sys.stderr)
+        return 1
     refusal = preflight.resume_refusal(resolved, previous)
     if refusal is not None:
         print(f"k3 train: error: {refusal}", file=sys.stderr)
