@@ -58,9 +58,11 @@ def non_finite_flags(resolved: ResolvedConfig) -> list[str]:
 def resume_refusal(resolved: ResolvedConfig, previous: dict | None) -> str | None:
     """Why ``--resume`` cannot continue this run (it has no adapter checkpoint yet), or None. ``previous`` is the
     config the run was started with: its ``save_interval`` is the one that did not come round."""
-    from k3.rl.resume import latest_checkpoint  # torch: loaded only when there is a run to resume
+    if not resolved.args.resume:
+        return None
+    from k3.rl.resume import latest_checkpoint  # imports torch: only when there is a run to resume
 
-    if not resolved.args.resume or latest_checkpoint(resolved.run_dir) is not None:
+    if latest_checkpoint(resolved.run_dir) is not None:
         return None
     interval = (previous or {}).get("save_interval", resolved.args.save_interval)
     return (f"--resume: {resolved.run_dir} has no adapter checkpoint to continue from (the run saves one every "

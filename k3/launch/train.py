@@ -22,7 +22,8 @@ from k3.launch import preflight
 from k3.launch.args import LaunchConfigError, ResolvedConfig, TrainArgs, resolve
 from k3.launch.failed_start import is_failed_start, set_aside_failed_start
 from k3.launch.parser import parse_train_args
-from k3.launch.resolved_config import JSON_NAME, print_args_table, read_resolved_config, write_resolved_config
+from k3.launch.resolved_config import (JSON_NAME, format_argument_dump, print_args_table, read_resolved_config,
+                                      write_resolved_config)
 from k3.launch.run_lock import RunDirectoryBusy, RunLock, refuse_if_held
 from k3.rollout.registry import engine_kind
 
@@ -75,6 +76,8 @@ def main(argv: Sequence[str]) -> int:
                 _refuse_a_held_run(resolved.run_dir, dry_run=True)
             except LaunchConfigError as e:
                 problems.append(str(e))
+        # What the run would write as resolved_config.txt (scripts grep its lines; nothing is written).
+        print(format_argument_dump({k: v for k, v in resolved.to_dict().items() if k != "env"}), end="")
         for problem in problems:
             print(f"k3 train: {problem}", file=sys.stderr)
         print("dry run: " + ("configuration valid, inputs present" if not problems else

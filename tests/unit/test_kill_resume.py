@@ -209,3 +209,19 @@ def test_kill_9_during_a_save_then_resume_is_judged_healthy(inputs, tmp_path, mo
     """Killed with rollout 2's adapter files in the temp dir and its trainer state not yet written: rollout 2
     and its sync were logged, the checkpoint of rollout 1 is the one resumed, and rollout 2 runs again."""
     _kill_and_resume("save", 2, inputs, tmp_path, "adapters/rollout_000001", 2, monkeypatch)
+
+
+def test_a_line_cut_by_a_kill_is_ended_before_the_next_attempt_writes(tmp_path):
+    """A ``kill -9`` mid-write can leave the last line without its newline: the next attempt's first event must
+    start a line of its own (the cut line is the harness's to report), and the sync count goes on past it."""
+    from k3.rl.metrics import MetricsWriter
+    from k3.rl.resume import next_sync_index
+
+    (tmp_path / "metrics.jsonl").write_text('{"time": 1, "event": "sync", "rollout_id": null, "sync": 0}\n'
+                                            '{"time": 2, "event": "memory", "sync": 1, "ph')
+    assert next_sync_index(tmp_path) == 1
+    with MetricsWriter(tmp_path, tensorboard=False) as writer:
+        writer.write("status", None, status="started")
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert lines[1].endswith('"ph') and json.loads(lines[2])["status"] == "started"
+    assert next_sync_index(tmp_path / "nothing-here") == 0
