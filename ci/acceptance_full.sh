@@ -91,23 +91,27 @@ TRAIN=(k3 train --external-ray --run-dir "$RUN_DIR" --run-id "$RUN_ID"
 # shellcheck disable=SC2206  # extra args are words on purpose
 TRAIN+=(${K3_EXTRA_TRAIN_ARGS:-})
 
-# Validate the flags here before anything reaches the cluster: `k3 train --dry-run` in a scratch directory
+# Validate the flags here before anything reaches the cluster: `k3 train --dry-run` (it writes nothing)
 # (exit 2: the configuration is invalid; 1: inputs missing here, fatal unless they live on the cluster only).
 PLAN_DIR=$(mktemp -d "${TMPDIR:-/tmp}/k3-acceptance-plan.XXXXXX")
 trap 'rm -rf "$PLAN_DIR"' EXIT
 PLAN=("${TRAIN[@]:2}")
 for i in "${!PLAN[@]}"; do [[ "${PLAN[$i]}" == "$RUN_DIR" ]] && PLAN[$i]="$PLAN_DIR/run"; done
+# W&B logs from the cluster's driver, so wandb is the cluster's dependency, not this host's: the plan leaves it out
+# (the run itself checks it on the cluster before it writes anything).
+PLAN+=(--no-enable-wandb)
 echo "acceptance-full: resolved plan (k3 train --dry-run)"
 set +e
-"$BIN/k3" train "${PLAN[@]}" --dry-run
+"$BIN/k3" train "${PLAN[@]}" --dry-run > "$PLAN_DIR/plan.txt"
 PLAN_RC=$?
+cat "$PLAN_DIR/plan.txt"
 set -e
 if [[ $PLAN_RC -eq 2 ]] || { [[ $PLAN_RC -ne 0 ]] && [[ "${K3_REMOTE_PATHS:-0}" != 1 ]]; }; then
   die "k3 train --dry-run rejected the launch (exit $PLAN_RC, see above). Nothing was submitted."
 fi
 # The four lines the recipe page (§5.1) says to check first.
 grep -E '^ +(expert_model_parallel_size|max_tokens_per_gpu|colocate_memory_peak_device|lora_base_cpu_backup) ' \
-  "$PLAN_DIR/run/resolved_config.txt" || true
+  "$PLAN_DIR/plan.txt" || true
 if [[ $DRY_RUN == 1 ]]; then
   echo "acceptance-full: dry run: the launch is valid; it would run as job $RUN_ID into $RUN_DIR"
   exit 0

@@ -191,14 +191,15 @@ TRAIN_ARGS=(
 [[ -n "${K3_SGLANG_PATH:-}" ]] && TRAIN_ARGS+=(--sglang-path "$K3_SGLANG_PATH")
 TRAIN_ARGS+=("${EXTRA[@]}")
 
-# The resolved plan, from `k3 train --dry-run` in a scratch dir (a dry run leaves a config behind, and the real
-# run dir must stay fresh).
+# The resolved plan, from `k3 train --dry-run` (it writes nothing; its output holds the resolved_config.txt lines
+# the run would write).
 PLAN_DIR="$(mktemp -d "${TMPDIR:-/tmp}/k3-smoke-4layer-plan.XXXXXX")"
 trap 'rm -rf "$PLAN_DIR"' EXIT
 plan_rc=0
 if command -v "$PY" >/dev/null 2>&1 && [[ -z "${V[k3]:-}" ]]; then
     echo "smoke-4layer: resolved plan (k3 train --dry-run)"
-    "$PY" -m k3 train "${TRAIN_ARGS[@]}" --dry-run --run-dir "$PLAN_DIR/run" || plan_rc=$?
+    "$PY" -m k3 train "${TRAIN_ARGS[@]}" --dry-run --run-dir "$PLAN_DIR/run" > "$PLAN_DIR/plan.txt" || plan_rc=$?
+    cat "$PLAN_DIR/plan.txt"
     if (( plan_rc == 2 )); then
         problem "k3 train --dry-run rejected the configuration (see above)"
     elif (( plan_rc != 0 )); then
@@ -206,7 +207,7 @@ if command -v "$PY" >/dev/null 2>&1 && [[ -z "${V[k3]:-}" ]]; then
     else
         # The resolved lines harness/spec/4layer.toml checks.
         grep -E '^ +(expert_model_parallel_size|max_tokens_per_gpu|colocate_memory_peak_device|lora_base_cpu_backup) ' \
-            "$PLAN_DIR/run/resolved_config.txt" || true
+            "$PLAN_DIR/plan.txt" || true
     fi
 fi
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import typing
 from collections.abc import Mapping, Sequence
@@ -57,6 +58,8 @@ def _field_kind(name: str, annotation: Any) -> tuple[str, Callable[[str], Any], 
         return "list", str, optional
     if name in SIZE_FIELDS:
         return "scalar", _parse_size, optional
+    if base is float:
+        return "scalar", _parse_finite_float, optional
     return "scalar", base, optional
 
 
@@ -67,6 +70,17 @@ def _parse_bool(text: str) -> bool:
     if low in _FALSE:
         return False
     raise ValueError(f"expected one of {sorted(_TRUE | _FALSE)}")
+
+
+def _parse_finite_float(text: str) -> float:
+    """A float flag's value; NaN and infinities are refused here (a NaN learning rate trains nothing)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
 
 
 def _parse_size(text: str) -> int:
@@ -89,8 +103,8 @@ def _from_env(name: str, text: str, kind: str, convert: Callable[[str], Any], op
         raise LaunchConfigError(f"{var}={text!r}: not {what} for {flag_name(name)} ({e})") from None
 
 
-_KIND_WORDS = {int: "an integer", float: "a number", str: "a string", _parse_bool: "a boolean",
-               _parse_size: "a size"}
+_KIND_WORDS = {int: "an integer", float: "a number", _parse_finite_float: "a finite number", str: "a string",
+               _parse_bool: "a boolean", _parse_size: "a size"}
 
 
 def _shown(value: Any) -> str:
@@ -153,7 +167,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
 
 
 def _metavar(convert: Callable[[str], Any]) -> str:
-    return {int: "N", float: "X", _parse_size: "BYTES"}.get(convert, "STR")
+    return {int: "N", _parse_finite_float: "X", _parse_size: "BYTES"}.get(convert, "STR")
 
 
 def parse_train_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> TrainArgs:

@@ -1,6 +1,7 @@
-"""`k3 train`: parse the recipe's flags, resolve and validate them, write the resolved config into the run
-directory, print it, then hand the run to the training loop (:func:`run_resolved`: ``k3.rl.loop.run`` with the
-run's typed settings and its Ray placement).
+"""`k3 train`: parse the recipe's flags, resolve and validate them, check every input (``check_inputs`` and
+:mod:`k3.launch.preflight`; ``--dry-run`` stops here and writes nothing), take the run directory's lock
+(:mod:`k3.launch.run_lock`), write the resolved config into it, then hand the run to the training loop
+(:func:`run_resolved`: ``k3.rl.loop.run`` with the run's typed settings and its Ray placement).
 
 The command forwards its raw words to the argparse parser of :mod:`k3.launch.parser`, so ``k3 train --help``
 is that parser's help (every flag, its default and its ``K3_*`` variable).
@@ -17,9 +18,13 @@ from pathlib import Path
 
 import typer
 
+from k3.launch import preflight
 from k3.launch.args import LaunchConfigError, ResolvedConfig, TrainArgs, resolve
+from k3.launch.failed_start import is_failed_start, set_aside_failed_start
 from k3.launch.parser import parse_train_args
-from k3.launch.resolved_config import JSON_NAME, print_args_table, read_resolved_config, write_resolved_config
+from k3.launch.resolved_config import (JSON_NAME, format_argument_dump, print_args_table, read_resolved_config,
+                                      write_resolved_config)
+from k3.launch.run_lock import RunDirectoryBusy, RunLock, refuse_if_held
 from k3.rollout.registry import engine_kind
 
 __all__ = ["train", "main", "run_resolved", "check_inputs", "RESUME_MUST_MATCH"]
@@ -44,30 +49,66 @@ train.command_settings = {  # type: ignore[attr-defined]
 
 
 def main(argv: Sequence[str]) -> int:
-    """`k3 train ARGV`; returns the exit code (0 ok, 1 dry run found problems, 2 bad configuration)."""
+    """`k3 train ARGV`; returns the exit code (0 ok, 1 dry run found problems or the run failed or was refused,
+    2 bad configuration). Nothing is written into the run directory before every check passed and its lock
+    (``k3.launch.run_lock``) is held."""
     try:
         args = parse_train_args(argv)
         resolved, previous = _resolve_for_run_dir(args)
-        _save_previous_config(resolved, previous)
-        json_path, text_path = write_resolved_config(resolved)
     except (LaunchConfigError, FileNotFoundError) as e:
         print(f"k3 train: error: {e}", file=sys.stderr)
         return 2
+    try:
+        refuse_if_held(resolved.run_dir)  # a running run's directory: say so first, whatever else is wrong
+    except RunDirectoryBusy as e:
+        print(f"k3 train: error: {e}", file=sys.stderr)
+        return 1
+    refusal = preflight.resume_refusal(resolved, previous)
+    if refusal is not None:
+        print(f"k3 train: error: {refusal}", file=sys.stderr)
+        return 1
     print_args_table(resolved)
-    print(f"resolved config: {json_path} and {text_path}")
 
-    problems = check_inputs(resolved)
+    problems = check_inputs(resolved) + preflight.input_problems(resolved)
     if args.dry_run:
+        if not args.resume:
+            try:
+                _refuse_a_held_run(resolved.run_dir, dry_run=True)
+            except LaunchConfigError as e:
+                problems.append(str(e))
+        # What the run would write as resolved_config.txt (scripts grep its lines; nothing is written).
+        print(format_argument_dump({k: v for k, v in resolved.to_dict().items() if k != "env"}), end="")
         for problem in problems:
             print(f"k3 train: {problem}", file=sys.stderr)
         print("dry run: " + ("configuration valid, inputs present" if not problems else
-                             f"{len(problems)} problem(s) above") + "; not training")
+                             f"{len(problems)} problem(s) above") + "; not training; nothing written")
         return 1 if problems else 0
     if problems:
         for problem in problems:
             print(f"k3 train: error: {problem}", file=sys.stderr)
         return 2
 
+    try:
+        lock = RunLock.acquire(resolved.run_dir)  # before anything else is written; held for the run's life
+    except RunDirectoryBusy as e:
+        print(f"k3 train: error: {e}", file=sys.stderr)
+        return 1
+    try:
+        return _run_locked(args, resolved, previous)
+    finally:
+        lock.release()
+
+
+def _run_locked(args: TrainArgs, resolved: ResolvedConfig, previous: dict | None) -> int:
+    try:
+        if not args.resume:
+            _refuse_a_held_run(resolved.run_dir)
+        _save_previous_config(resolved, previous)
+        json_path, text_path = write_resolved_config(resolved)
+    except LaunchConfigError as e:
+        print(f"k3 train: error: {e}", file=sys.stderr)
+        return 2
+    print(f"resolved config: {json_path} and {text_path}")
     try:
         loop = importlib.import_module("k3.rl.loop")
     except ModuleNotFoundError as e:
@@ -95,21 +136,30 @@ def run_resolved(resolved: ResolvedConfig, *, in_process: bool | None = None, sa
                     start_placement=lambda: RayPlacement.start(resolved), wandb_config=resolved.to_dict())
 
 
+def _refuse_a_held_run(run_dir: Path, dry_run: bool = False) -> None:
+    """A fresh run needs a directory that holds no run; a failed start (``k3.launch.failed_start``) is set aside
+    (a dry run only says it would be)."""
+    held = [m for m in RUN_MARKERS if (run_dir / m).exists()]
+    if not held:
+        return
+    if is_failed_start(run_dir):
+        if not dry_run:
+            kept = set_aside_failed_start(run_dir)
+            print(f"note: {run_dir} held a start that failed before any work; its events are kept in {kept.name}")
+        return
+    raise LaunchConfigError(
+        f"--run-dir {run_dir} already holds a run ({', '.join(held)}): pass --resume to continue it, or "
+        "choose another --run-dir / --run-id"
+    )
+
+
 def _resolve_for_run_dir(args: TrainArgs) -> tuple[ResolvedConfig, dict | None]:
     """Resolve ``args`` against its run directory: a new run needs a fresh one, ``--resume`` an existing one.
 
     Returns the resolved config and, on resume, the config the run was started with.
     """
     if not args.resume:
-        resolved = resolve(args)
-        run_dir = resolved.run_dir
-        held = [m for m in RUN_MARKERS if (run_dir / m).exists()]
-        if held:
-            raise LaunchConfigError(
-                f"--run-dir {run_dir} already holds a run ({', '.join(held)}): pass --resume to continue it, or "
-                "choose another --run-dir / --run-id"
-            )
-        return resolved, None
+        return resolve(args), None  # whether the directory is free is checked under its lock
 
     if args.run_dir is None and args.run_id is None:
         raise LaunchConfigError("--resume needs the run to continue: pass --run-dir DIR (or --run-id ID)")

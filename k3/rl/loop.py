@@ -35,7 +35,9 @@ from k3.rl.errors import TrainingError, last_line
 from k3.rl.grpo import GRPOConfig, group_advantages
 from k3.rl.handles import LocalHandle, RayHandle, call_all, submit
 from k3.rl.metrics import MetricsWriter
-from k3.rl.resume import latest_checkpoint, load_checkpoint_state, load_optimizer_state, save_checkpoint
+from k3.rl.progress import RolloutProgress
+from k3.rl.resume import (latest_checkpoint, load_checkpoint_state, load_optimizer_state, next_sync_index,
+                          save_checkpoint)
 from k3.rl.reward.reward import get_reward_fn
 from k3.rl.trainer_worker import TrainerWorker
 from k3.rl.trainers.group import TrainerGroup, is_trainer_group
@@ -70,7 +72,9 @@ class Loop:
         self.eval_records = load_prompts(settings.data.eval_prompt_data) if settings.data.eval_prompt_data else []
         self.eval_name = settings.data.eval_dataset_name
         self.reward_fn = get_reward_fn(settings.reward_model)
-        self.version = 0
+        self.version = 0  # the adapter version the engines serve; a resume sets the checkpoint's
+        self.next_sync = 0  # the next sync's index in the run; a resume continues it (next_sync_index)
+        self.progress = RolloutProgress(settings.num_rollout)
 
     # -- pieces
     def _encode(self, rec: dict) -> list[int]:
@@ -93,7 +97,7 @@ class Loop:
         ``rollout_id`` None is the startup sync. ``cycle_start`` (perf_counter) is where this rollout's cycle
         began, for ``perf/cycle_time`` (generate + train + sync; evals are outside cycles)."""
         version = self.version + 1
-        sync_index = version - 1
+        sync_index = self.next_sync
         # Recipe §5.4 step 6: generation is paused on every engine before the first chunk goes out.
         self._on_engines("pause_generation")
         try:
@@ -126,6 +130,7 @@ class Loop:
                     "adapter sync is broken (the engine kept an old version)"
                 )
         self.version = version
+        self.next_sync = sync_index + 1
         keys = {"sync": sync_index, "adapter/version": version, "adapter/chunks": out["chunks"],
                 "perf/update_weights_time": out["perf/update_weights_time"]}
         if leaks:
@@ -160,6 +165,7 @@ class Loop:
     def rollout_and_train(self, rollout_id: int) -> dict[str, Any]:
         s, ro = self.s, self.s.rollout
         t_cycle = time.perf_counter()
+        self.progress.begin(rollout_id)
         idx = prompts_for_rollout(len(self.train_records), rollout_id, s.rollout_batch_size, s.seed,
                                   ro.rollout_shuffle)
         reqs = []
@@ -219,10 +225,11 @@ class Loop:
         self._run_steps(colocate.after_train_steps(self._peak, self._levels))
         sync = self.sync(rollout_id, cycle_start=t_cycle)
         self._run_steps(colocate.AFTER_SYNC)
-        print(f"rollout {rollout_id}: reward {rec['rollout/raw_reward']:.3f}  "
-              f"len {rec['rollout/response_len/mean']:.1f}  rollout {rollout_time:.1f}s  train {train_time:.1f}s  "
-              f"sync {sync['perf/update_weights_time'] * 1e3:.0f}ms  "
-              f"mem {sync['memory'][-1]['memory/allocated_gb']:.3f} GB", flush=True)
+        print(self.progress.finished(
+            rollout_id, f"reward {rec['rollout/raw_reward']:.3f}  len {rec['rollout/response_len/mean']:.1f}  "
+            f"rollout {rollout_time:.1f}s  train {train_time:.1f}s  "
+            f"sync {sync['perf/update_weights_time'] * 1e3:.0f}ms  "
+            f"mem {sync['memory'][-1]['memory/allocated_gb']:.3f} GB"), flush=True)
         return rec
 
     def first_sync(self) -> dict[str, Any]:
@@ -405,10 +412,11 @@ def run(settings: RunSettings, *, in_process: bool | None = None, sabotage_sync:
             state = load_checkpoint_state(ckpt)
             trainer.call("load_adapter", str(ckpt))
             load_optimizer_state(trainer, state)
-            loop.version = 0
+            loop.version, loop.next_sync = int(state["version"]), next_sync_index(s.run_dir)
             start = int(state["rollout_id"]) + 1
-            writer.write("status", None, status="resumed", checkpoint=str(ckpt), next_rollout=start)
-        # The first sync ships the freshly initialised (or resumed) adapters: version 1.
+            writer.write("status", None, status="resumed", next_rollout=start,
+                         checkpoint=ckpt.relative_to(s.run_dir).as_posix())
+        # The first sync ships the freshly initialised adapters (version 1), or the resumed ones (saved + 1).
         loop.first_sync()
         if loop.eval_records and not s.rollout.skip_eval_before_train and start == 0:
             loop.evaluate(0)

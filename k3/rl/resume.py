@@ -17,6 +17,11 @@
     rank 0's ``backend``, ``parallel``, ``dp``, ``steps``, the ``world_size`` and ``ranks``, the list of every
     rank's one-rank state above, in rank order.
 
+Across a resume the loop's counters continue (docs/RUN_DIRECTORY.md, "Resumed runs"): the adapter version
+from the state's ``version`` (the resumed attempt's startup sync serves ``version + 1``), the sync index from
+the run's own ``metrics.jsonl`` (:func:`next_sync_index`: the killed attempt may have synced after its last
+checkpoint, and those indices are taken).
+
 A save is atomic (a temp folder renamed into place, ``latest`` written last), and checks that the state it
 wrote loads back as above; :func:`load_checkpoint_state` checks every file before anything is loaded into the
 trainer. Either refuses with one line naming the file and what is wrong (:class:`~k3.rl.errors.TrainingError`).
@@ -39,8 +44,8 @@ from k3.lora.export import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME
 from k3.rl.errors import TrainingError, last_line
 from k3.rl.trainers.group import RANKS_KEY, is_trainer_group, merge_rank_states, split_rank_states
 
-__all__ = ["STATE_NAME", "latest_checkpoint", "load_checkpoint_state", "load_optimizer_state", "load_trainer_state",
-           "optimizer_state", "remove_stale_temp_dirs", "save_checkpoint", "trainer_state_problem"]
+__all__ = ["STATE_NAME", "latest_checkpoint", "next_sync_index", "load_checkpoint_state", "load_optimizer_state",
+           "load_trainer_state", "optimizer_state", "remove_stale_temp_dirs", "save_checkpoint", "trainer_state_problem"]
 
 STATE_NAME = "trainer_state.pt"
 _RESUME_HINT = "; resume from an earlier checkpoint by removing this one, or start a fresh --run-dir"
@@ -114,6 +119,26 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     root = Path(run_dir) / "adapters"
     done = sorted(p for p in root.glob("rollout_*") if (p / STATE_NAME).exists()) if root.is_dir() else []
     return done[-1] if done else None
+
+
+def next_sync_index(run_dir: str | Path) -> int:
+    """The first ``sync`` index no earlier attempt used: one past the highest ``sync`` of any event in
+    ``<run_dir>/metrics.jsonl`` (memory readings included), 0 when there is none. Lines that do not parse (a
+    line cut by a kill) are skipped: they are the harness's to report."""
+    path = Path(run_dir) / "metrics.jsonl"
+    highest = -1
+    if not path.is_file():
+        return 0
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            sync = event.get("sync") if isinstance(event, dict) else None
+            if isinstance(sync, int) and not isinstance(sync, bool) and sync > highest:
+                highest = sync
+    return highest + 1
 
 
 def load_checkpoint_state(checkpoint: str | Path) -> dict[str, Any]:

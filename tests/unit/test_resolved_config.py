@@ -212,6 +212,9 @@ def test_existing_run_needs_resume(tiny_inputs, fake_loop, capsys):
 def test_resume_keeps_the_run_id_and_rejects_incompatible_flags(tiny_inputs, fake_loop, capsys):
     argv, run_dir = tiny_inputs
     assert train_cmd.main(argv) == 0
+    # The fake loop saves nothing; --resume needs a checkpoint to continue from (its files are the loop's to check).
+    (run_dir / "adapters" / "rollout_000000").mkdir(parents=True)
+    (run_dir / "adapters" / "rollout_000000" / "trainer_state.pt").write_bytes(b"")
     no_id = [w for i, w in enumerate(argv) if w != "--run-id" and (i == 0 or argv[i - 1] != "--run-id")]
     assert train_cmd.main(no_id + ["--resume", "--num-rollout", "5"]) == 0
     resumed = fake_loop[-1]

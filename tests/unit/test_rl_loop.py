@@ -80,6 +80,7 @@ def test_run_directory_has_what_the_harness_reads(setup, monkeypatch, teardown_c
     text = (run / "resolved_config.txt").read_text()
     assert "expert_model_parallel_size" in text and "lora_base_cpu_backup" in text
     assert latest_checkpoint(run).name == "rollout_000001"
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))  # TensorBoard beside metrics.jsonl
 
 
 def test_resume_continues_with_the_next_rollout(setup, monkeypatch):
@@ -92,6 +93,14 @@ def test_resume_continues_with_the_next_rollout(setup, monkeypatch):
     assert len(resumed) == 1 and resumed[0]["next_rollout"] == 2
     assert [e["rollout_id"] for e in ev if e["event"] == "rollout"] == [0, 1, 2]
     assert latest_checkpoint(run).name == "rollout_000002"
+    # A finished run extended with --resume: sync numbers and adapter versions go on from where it stopped (the
+    # startup sync serves the version saved with rollout 1's checkpoint + 1), and the resumed status names it.
+    assert resumed[0]["checkpoint"] == "adapters/rollout_000001"
+    syncs = [e for e in ev if e["event"] == "sync"]
+    assert [s["sync"] for s in syncs] == [0, 1, 2, 3, 4]
+    assert [s["adapter/version"] for s in syncs] == [1, 2, 3, 4, 5]
+    mem = [e["sync"] for e in ev if e["event"] == "memory" and e["phase"] == "after_update_weights"]
+    assert mem == [0, 1, 2, 3, 4]
 
 
 def test_broken_adapter_sync_fails_the_run_and_the_verdict(setup, monkeypatch, teardown_calls):
