@@ -52,7 +52,7 @@ def fake_loop(monkeypatch):
     class TrainingError(RuntimeError):
         pass
 
-    def run(resolved):
+    def run(resolved, **_kwargs):  # the run settings; in_process, start_placement, … as k3.rl.loop.run
         calls.append(resolved)
         metrics = resolved.run_dir / "metrics.jsonl"
         with metrics.open("a") as f:
@@ -254,7 +254,7 @@ def test_two_real_k3_train_processes_into_one_directory(tiny_inputs, tmp_path):
         module = types.ModuleType("k3.rl.loop")
         class TrainingError(RuntimeError):
             pass
-        def run(resolved):
+        def run(resolved, **_kwargs):
             with open(resolved.run_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps({"event": "status", "status": "started"}) + "\\n")
             print("running", flush=True)
