@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-EVENTS = ("rollout", "train", "eval", "sync", "memory", "status")
+EVENTS = ("rollout", "train", "eval", "sync", "memory", "status", "replicas")
 
 
 class MetricsWriter:
