@@ -47,7 +47,6 @@ fewer syncs), and a run that was resumed is judged on every attempt (:mod:`harne
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import statistics
 from collections.abc import Callable, Mapping
@@ -841,14 +840,27 @@ def _version_after_start(run: RunData, attempt: Attempt, step: int) -> tuple[int
 
 def _advances(c: Criterion, run: RunData) -> Result:
     syncs = [s for s in run.syncs if c.window.contains(s.index)]
-    # The first metric the run has: the engine's reported version, or the trainer's sent one.
-    source = next((m for m in c.metrics if m == "adapter/version" or (
-        m == "adapter/engine_version" and any(s.engine_version is not None for s in run.syncs))), c.metric)
-    if source == "adapter/engine_version":
-        syncs = [dataclasses.replace(s, version=s.engine_version) for s in syncs]
+    # With ``adapter/engine_version`` among the metrics and logged: the sent versions must advance, and at every
+    # sync the engine must report the sent one active (its own answer, so a stuck engine fails here).
+    engine = "adapter/engine_version" in c.metrics and any(s.engine_version is not None for s in run.syncs)
+    result = _versions_advance(c, run, syncs)
+    if engine:
+        result.evidence["metric"] = "adapter/engine_version"
+    if not engine or result.status is Status.FAIL:
+        return result
+    for s in syncs:
+        if s.engine_version != s.version:
+            result.evidence |= {"first_failing_sync": s.index, "engine_version": s.engine_version}
+            said = "reports no version" if s.engine_version is None else f"reports version {s.engine_version} active"
+            return Result(c, Status.FAIL, f"sync {s.index}: the engine {said}, version {s.version} was sent", True,
+                          result.evidence, s.where)
+    return result
+
+
+def _versions_advance(c: Criterion, run: RunData, syncs: list) -> Result:
     step = c["step"]
     versions = [s.version for s in syncs]
-    evidence: dict[str, Any] = {"versions": versions, "step": step, "metric": source}
+    evidence: dict[str, Any] = {"versions": versions, "step": step}
     if any(v is None for v in versions):
         bad = next(s for s in syncs if s.version is None)
         return Result(c, Status.FAIL, f"sync {bad.index} carries no adapter version", True, evidence, bad.where)
