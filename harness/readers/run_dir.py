@@ -141,7 +141,7 @@ class RunDirSource:
         if not math.isfinite(time):
             run.problem(where, f"'time' is {event['time']!r}, not a time: the event is kept without one")
             time = None
-        else:
+        elif kind != "replicas":  # digests within the train phase: not an anchor of phases or cycle times
             run.add(EventTime(kind, rollout_id, time, seq, where))
         if kind == "status":
             self._read_status(run, event, time, seq, where)
