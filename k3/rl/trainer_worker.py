@@ -138,7 +138,7 @@ class TrainerWorker:
                                  digests=digests)
 
     def _sync_result(self, version: int, n: int, t0: float, before: dict[str, Any],
-                     active_version: int | None, fed: bool, digests: list[str]) -> dict[str, Any]:
+                     active_version: int | None, fed: bool, digests: list[str] | None = None) -> dict[str, Any]:
         elapsed = time.perf_counter() - t0
         # Two warm-up syncs: the startup one, and the first after a train step (the optimizer allocates its state,
         # and Megatron its grad buffers, on the first step: measured +65.55 MiB CUDA for the tiny model on the
@@ -152,7 +152,7 @@ class TrainerWorker:
         after = self.leak.memory_record("after_update_weights", rank=self.rank)
         return {"version": version, "chunks": n, "perf/update_weights_time": elapsed,
                 "memory": [before, after], "engine_active_version": active_version,
-                "fed_engine": fed, "leak_problems": list(problems), "chunk_digests": list(digests)}
+                "fed_engine": fed, "leak_problems": list(problems), "chunk_digests": list(digests or [])}
 
     # -- adapter checkpoints
     def save_adapter(self, directory: str) -> str:
