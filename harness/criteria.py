@@ -21,7 +21,14 @@ completes_within      ``max_minutes``, ``min_rollouts``: from the ``started`` to
                       summed over attempts (a resumed run's downtime is not run time)
 advances              ``step``: the adapter version goes up by exactly ``step`` at every sync; an
                       attempt's first sync delivers the saved version + ``step`` after a resume (1 after
-                      a start over)
+                      a start over). ``metric`` ``adapter/engine_version``: the version the engine
+                      reported active (else ``adapter/version``, the one the trainer sent)
+replicas_agree        ``min_steps``: after every optimizer step, every replica of an adapter tensor (same
+                      label on several ranks) has the same digest; FAIL names the first step, the tensor
+                      and the ranks on each side
+delivered             ``min_syncs``: at every sync each engine reports the sent version active and, for
+                      every chunk the trainer sent, the trainer's digest; FAIL names the sync, version,
+                      chunk and engine
 ====================  ===============================================================================
 
 ``window`` is ``"all"`` or ``[first, last]`` (inclusive; ``last = -1``: open-ended) over rollout ids
@@ -833,6 +840,24 @@ def _version_after_start(run: RunData, attempt: Attempt, step: int) -> tuple[int
 
 def _advances(c: Criterion, run: RunData) -> Result:
     syncs = [s for s in run.syncs if c.window.contains(s.index)]
+    # With ``adapter/engine_version`` among the metrics and logged: the sent versions must advance, and at every
+    # sync the engine must report the sent one active (its own answer, so a stuck engine fails here).
+    engine = "adapter/engine_version" in c.metrics and any(s.engine_version is not None for s in run.syncs)
+    result = _versions_advance(c, run, syncs)
+    if engine:
+        result.evidence["metric"] = "adapter/engine_version"
+    if not engine or result.status is Status.FAIL:
+        return result
+    for s in syncs:
+        if s.engine_version != s.version:
+            result.evidence |= {"first_failing_sync": s.index, "engine_version": s.engine_version}
+            said = "reports no version" if s.engine_version is None else f"reports version {s.engine_version} active"
+            return Result(c, Status.FAIL, f"sync {s.index}: the engine {said}, version {s.version} was sent", True,
+                          result.evidence, s.where)
+    return result
+
+
+def _versions_advance(c: Criterion, run: RunData, syncs: list) -> Result:
     step = c["step"]
     versions = [s.version for s in syncs]
     evidence: dict[str, Any] = {"versions": versions, "step": step}
@@ -872,6 +897,92 @@ def _advances(c: Criterion, run: RunData) -> Result:
     return Result(c, Status.PASS, text, True, evidence)
 
 
+# --- replicas ---------------------------------------------------------------------------------------------
+def _replicas_agree(c: Criterion, run: RunData) -> Result:
+    steps = sorted(run.replicas)  # (attempt, step), in run order
+    ranks = sorted({r for by_rank in run.replicas.values() for r in by_rank})
+    compared = 0
+    labels: set[str] = set()
+    evidence: dict[str, Any] = {"steps": len(steps), "ranks": ranks}
+    for attempt, step in steps:
+        by_rank = run.replicas[(attempt, step)]
+        holders: dict[str, dict[str, list[int]]] = {}  # label -> digest -> ranks
+        for rank, point in sorted(by_rank.items()):
+            for label, digest in point.digests.items():
+                holders.setdefault(label, {}).setdefault(digest, []).append(rank)
+        labels.update(holders)
+        for label in sorted(holders):
+            sides = holders[label]
+            if sum(len(r) for r in sides.values()) > 1:
+                compared += 1
+            if len(sides) > 1:
+                groups = sorted(sides.values(), key=lambda g: (-len(g), g))
+                first = min(by_rank[r].seq for g in groups for r in g)
+                where = next(p.where for p in by_rank.values() if p.seq == max(
+                    by_rank[r].seq for g in groups for r in g))
+                evidence |= {"first_failing_step": step, "tensor": label, "rank_groups": groups,
+                             "digests": {d[:16]: g for d, g in sides.items()}, "attempt": attempt}
+                split = " vs ".join("ranks " + ",".join(map(str, g)) if len(g) > 1 else f"rank {g[0]}" for g in groups)
+                label_step = f"step {step}" + (f" (attempt {attempt + 1})" if run.attempts and len(run.attempts) > 1
+                                               else "")
+                del first
+                return Result(c, Status.FAIL, f"{label_step}: replicas of {label} differ: {split}", True, evidence,
+                              where)
+    evidence |= {"tensors": len(labels), "replica_comparisons": compared}
+    if len(steps) < c["min_steps"]:
+        return _not_yet(c, run, f"{len(steps)} step(s) with replica digests; needs {c['min_steps']}", **evidence)
+    what = (f"{len(steps)} steps, {len(labels)} tensors on {len(ranks)} ranks: every replica equal "
+            f"({compared} comparisons)" if len(ranks) > 1 else
+            f"{len(steps)} steps, {len(labels)} tensors on one rank: no tensor has a replica to compare")
+    if not run.finished:
+        return Result(c, Status.PENDING, what + " so far", False, evidence)
+    return Result(c, Status.PASS, what, True, evidence)
+
+
+# --- delivered == trained -------------------------------------------------------------------------------------
+def _delivered(c: Criterion, run: RunData) -> Result:
+    syncs = [s for s in run.syncs if c.window.contains(s.index)]
+    evidence: dict[str, Any] = {"syncs": len(syncs)}
+    judged = 0
+    for s in syncs:
+        if s.trained_digests is None or not s.engine_digests:
+            evidence["without_digests"] = evidence.get("without_digests", 0) + 1
+            continue
+        judged += 1
+        for e in s.engine_digests:
+            which = f"engine {e.engine}"
+            base = {"first_failing_sync": s.index, "version": s.version, "engine": e.engine}
+            if e.version != s.version:
+                evidence |= base
+                return Result(c, Status.FAIL, f"sync {s.index}: {which} reports version {e.version} active, "
+                              f"version {s.version} was sent", True, evidence, s.where)
+            for index, digest in enumerate(s.trained_digests):
+                got = e.chunks.get(index)
+                if got is None:
+                    evidence |= base | {"chunk": index, "problem": "missing"}
+                    return Result(c, Status.FAIL, f"sync {s.index}: chunk {index} of version {s.version} missing at "
+                                  f"{which} ({len(e.chunks)} of {len(s.trained_digests)} chunks activated)", True,
+                                  evidence, s.where)
+                if got != digest:
+                    evidence |= base | {"chunk": index, "problem": "differs", "activated": got, "trained": digest}
+                    return Result(c, Status.FAIL, f"sync {s.index}: chunk {index} of version {s.version} differs at "
+                                  f"{which}: activated {got[:12]}…, trained {digest[:12]}…", True, evidence, s.where)
+            extra = sorted(set(e.chunks) - set(range(len(s.trained_digests))))
+            if extra:
+                evidence |= base | {"chunk": extra[0], "problem": "never sent"}
+                return Result(c, Status.FAIL, f"sync {s.index}: {which} reports chunk {extra[0]} of version "
+                              f"{s.version}, which the trainer never sent", True, evidence, s.where)
+    evidence["judged"] = judged
+    missing = evidence.get("without_digests", 0)
+    if judged < c["min_syncs"] or (missing and run.finished):
+        return _not_yet(c, run, f"{judged} sync(s) with both digests"
+                        + (f"; {missing} without" if missing else "") + f"; needs {c['min_syncs']}", **evidence)
+    text = f"{judged} syncs: every chunk the engine activated equals the trained one"
+    if c.window.open and not run.finished:
+        return Result(c, Status.PENDING, text + " so far", False, evidence)
+    return Result(c, Status.PASS, text, True, evidence)
+
+
 # --- registry ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Kind:
@@ -904,6 +1015,8 @@ KINDS: dict[str, Kind] = {
                                                  "min_rollouts": Param((int,), default=0)},
                              _check_positive("max_minutes", "min_rollouts")),
     "advances": Kind(_advances, {"step": Param((int,), default=1)}),
+    "replicas_agree": Kind(_replicas_agree, {"min_steps": Param((int,), default=1)}, _check_positive("min_steps")),
+    "delivered": Kind(_delivered, {"min_syncs": Param((int,), default=1)}, _check_positive("min_syncs")),
 }
 
 

@@ -48,15 +48,25 @@ def markdown_summary(results: Sequence[Result], run: RunData, tier: Tier, profil
     return "\n".join(lines) + "\n"
 
 
+# Train-vs-engine log-prob gaps: plotted apart from the reward, each with its band.
+ON_POLICY_METRICS = ("rollout/train_rollout_logprob_abs_diff", "rollout/train_rollout_kl")
+
+
 def _figures(results: Sequence[Result], run: RunData) -> list[tuple[str, bytes]]:
     from harness import plots
 
     def pick(test: Callable[[Result], bool]) -> list[Result]:
         return [r for r in results if test(r)]
 
+    def on_policy(r: Result) -> bool:
+        return r.criterion.kind == "band" and r.criterion.metric in ON_POLICY_METRICS
+
     groups = [
         ("Reward per rollout", plots.reward_figure,
-         pick(lambda r: r.criterion.kind == "band" and r.criterion.metric.startswith("rollout/"))),
+         pick(lambda r: r.criterion.kind == "band" and r.criterion.metric.startswith("rollout/") and not on_policy(r))),
+        # On-policy (issue #23): one panel per metric, its band per rollout (the same drawing as the reward's)
+        *((f"On-policy: {metric} per rollout", plots.reward_figure,
+           pick(lambda r, m=metric: on_policy(r) and r.criterion.metric == m)) for metric in ON_POLICY_METRICS),
         ("Evals", plots.eval_figure,
          pick(lambda r: r.criterion.kind in ("band", "rise_by") and r.criterion.metric.startswith("eval/"))),
         ("Memory after every weight sync", plots.memory_figure,

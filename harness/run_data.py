@@ -30,6 +30,8 @@ __all__ = [
     "Point",
     "MemoryPoint",
     "SyncPoint",
+    "ReplicaPoint",
+    "EngineChunks",
     "ConfigEntry",
     "StatusEntry",
     "EventTime",
@@ -97,6 +99,36 @@ class SyncPoint:
     where: str
     time: float | None = None
     attempt: int = 0
+    # The version the engine reported active after the sync (``adapter/engine_version``); None: not logged.
+    engine_version: int | None = None
+    # Delivered == trained: the trainer's digest of each chunk it sent, in order (None: not logged), and what
+    # each engine reported it activated.
+    trained_digests: tuple[str, ...] | None = None
+    engine_digests: tuple["EngineChunks", ...] = ()
+
+
+@dataclass(frozen=True)
+class EngineChunks:
+    """What one rollout engine reported after a sync: its active version and a digest per chunk it activated."""
+
+    engine: int
+    version: int | None
+    chunks: dict[int, str]  # chunk index -> digest
+
+
+@dataclass(frozen=True)
+class ReplicaPoint:
+    """One trainer rank's digests of the adapter tensors it holds, after optimizer step ``step``.
+
+    Ranks that hold replicas of one tensor log it under the same label (docs/RUN_DIRECTORY.md, ``replicas``)."""
+
+    rank: int
+    step: int
+    rollout_id: int | None
+    digests: dict[str, str]  # label -> digest
+    seq: int
+    where: str
+    attempt: int = 0
 
 
 @dataclass(frozen=True)
@@ -160,7 +192,7 @@ class EventTime:
     where: str
 
 
-Record = Point | MemoryPoint | SyncPoint | ConfigEntry | StatusEntry | EventTime
+Record = Point | MemoryPoint | SyncPoint | ReplicaPoint | ConfigEntry | StatusEntry | EventTime
 
 
 def normalize_phase(phase: str) -> str:
@@ -203,6 +235,9 @@ class RunData:
     scalars: dict[str, dict[int, Point]] = field(default_factory=dict)
     memory: dict[tuple[str, str], dict[int, dict[int, MemoryPoint]]] = field(default_factory=dict)
     syncs: list[SyncPoint] = field(default_factory=list)
+    # (attempt, step) -> rank -> digests; steps restart with a resumed attempt's optimizer state, so the attempt
+    # is part of the key
+    replicas: dict[tuple[int, int], dict[int, ReplicaPoint]] = field(default_factory=dict)
     config: dict[str, ConfigEntry] = field(default_factory=dict)
     status: list[StatusEntry] = field(default_factory=list)
     event_times: list[EventTime] = field(default_factory=list)
@@ -237,7 +272,7 @@ class RunData:
         if isinstance(record, StatusEntry):
             self._add_status(record)
             return
-        if isinstance(record, (Point, MemoryPoint, SyncPoint)) or (
+        if isinstance(record, (Point, MemoryPoint, SyncPoint, ReplicaPoint)) or (
                 isinstance(record, EventTime) and record.event != "status"):
             self._note_work()
         if isinstance(record, Point):
@@ -261,6 +296,14 @@ class RunData:
             by_rank[record.sync] = record
         elif isinstance(record, SyncPoint):
             self.syncs.append(record)
+        elif isinstance(record, ReplicaPoint):
+            by_rank = self.replicas.setdefault((record.attempt, record.step), {})
+            first_rep = by_rank.get(record.rank)
+            if first_rep is not None:
+                self.problem(record.where, f"replica digests of rank {record.rank} at step {record.step} logged again; "
+                             f"keeping the first ({first_rep.where})")
+                return
+            by_rank[record.rank] = record
         elif isinstance(record, ConfigEntry):
             first_cfg = self.config.get(record.key)
             if first_cfg is not None:

@@ -24,7 +24,9 @@ from harness.run_data import (
     ConfigEntry,
     EventTime,
     MemoryPoint,
+    EngineChunks,
     Point,
+    ReplicaPoint,
     RunData,
     StatusEntry,
     SyncPoint,
@@ -37,7 +39,9 @@ __all__ = ["RunDirSource", "METRICS_NAME", "CONFIG_JSON", "CONFIG_TXT", "EVENTS"
 METRICS_NAME = "metrics.jsonl"
 CONFIG_JSON = "resolved_config.json"
 CONFIG_TXT = "resolved_config.txt"
-EVENTS = ("rollout", "train", "eval", "sync", "memory", "status")
+EVENTS = ("rollout", "train", "eval", "sync", "memory", "status", "replicas")
+# Sync keys read into the SyncPoint, not as per-rollout metrics.
+SYNC_KEYS = ("adapter/version", "adapter/chunks", "adapter/engine_version")
 # Keys without a "/" are the event's structure; keys with one ("rollout/raw_reward") are its metrics.
 STRUCTURE_KEYS = {"time", "event", "rollout_id", "rank", "phase", "sync", "status", "error"}
 
@@ -137,7 +141,7 @@ class RunDirSource:
         if not math.isfinite(time):
             run.problem(where, f"'time' is {event['time']!r}, not a time: the event is kept without one")
             time = None
-        else:
+        elif kind != "replicas":  # digests within the train phase: not an anchor of phases or cycle times
             run.add(EventTime(kind, rollout_id, time, seq, where))
         if kind == "status":
             self._read_status(run, event, time, seq, where)
@@ -147,17 +151,22 @@ class RunDirSource:
         elif kind == "memory":
             self._read_memory(run, event, seq, where)
             return  # memory metrics are per rank, not per rollout
+        elif kind == "replicas":
+            run.add(ReplicaPoint(event["rank"], event["step"], rollout_id, dict(event["digests"]), seq, where,
+                                 run.attempt))
+            return  # digests, not metrics
         elif kind == "sync":
             version, chunks = event.get("adapter/version"), event.get("adapter/chunks")
             index = self._sync_index(run, where, event["sync"]) if "sync" in event else self._next_sync
             self._next_sync = index + 1
             self._last_sync = max(self._last_sync, index)
+            trained, engines = _delivery(run, where, event)
             run.add(SyncPoint(index, _int_or_none(version), _int_or_none(chunks), rollout_id, seq, where, time,
-                              run.attempt))
+                              run.attempt, _int_or_none(event.get("adapter/engine_version")), trained, engines))
         if rollout_id is None:
             return
         for key, value in event.items():
-            if "/" not in key or key in ("adapter/version", "adapter/chunks"):
+            if "/" not in key or key in SYNC_KEYS:
                 continue
             number = _metric_value(run, where, key, value)
             if number is not None:
@@ -228,9 +237,48 @@ def _structure_error(event: dict[str, Any]) -> str | None:
             return f"memory event needs an integer 'rank', got {event.get('rank')!r}"
         if not isinstance(event.get("phase"), str):
             return f"memory event needs a string 'phase', got {event.get('phase')!r}"
+    if kind == "replicas":
+        for key in ("rank", "step"):
+            value = event.get(key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                return f"replicas event needs a non-negative integer {key!r}, got {value!r}"
+        digests = event.get("digests")
+        if not isinstance(digests, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                    for k, v in digests.items()):
+            return f"replicas event needs 'digests': an object of tensor label -> digest string, got {digests!r}"
     if "sync" in event and (not isinstance(event["sync"], int) or isinstance(event["sync"], bool) or event["sync"] < 0):
         return f"'sync' must be a non-negative integer, got {event['sync']!r}"
     return None
+
+
+def _delivery(run: RunData, where: str, event: dict[str, Any]) -> tuple[tuple[str, ...] | None,
+                                                                         tuple[EngineChunks, ...]]:
+    """A sync event's ``chunk_digests`` and ``engine_chunk_digests`` (absent: None and ()); a malformed one is
+    reported and read as absent, so the ``delivered`` criterion finds it MISSING rather than passing."""
+    trained_raw, engines_raw = event.get("chunk_digests"), event.get("engine_chunk_digests")
+    trained = None
+    if trained_raw is not None:
+        if isinstance(trained_raw, list) and all(isinstance(d, str) for d in trained_raw):
+            trained = tuple(trained_raw)
+        else:
+            run.problem(where, f"'chunk_digests' must be a list of digest strings, got {trained_raw!r}; ignored")
+    engines: list[EngineChunks] = []
+    if engines_raw is not None:
+        ok = isinstance(engines_raw, list)
+        for entry in engines_raw if ok else []:
+            chunks = entry.get("chunks") if isinstance(entry, dict) else None
+            if (not isinstance(chunks, dict) or not all(isinstance(k, str) and k.isdigit() and isinstance(v, str)
+                                                        for k, v in chunks.items())
+                    or not isinstance(entry.get("engine"), int)):
+                ok = False
+                break
+            engines.append(EngineChunks(entry["engine"], _int_or_none(entry.get("version")),
+                                        {int(k): v for k, v in chunks.items()}))
+        if not ok:
+            run.problem(where, "'engine_chunk_digests' must be a list of {\"engine\": int, \"version\": int, "
+                        f"\"chunks\": {{\"<index>\": digest}}}}, got {engines_raw!r}; ignored")
+            engines = []
+    return trained, tuple(engines)
 
 
 def _is_number(value: Any) -> bool:

@@ -29,12 +29,14 @@ from k3.rl import colocate
 from k3.rl.data.chat import encode_prompt
 from k3.rl.data.order import prompts_for_rollout
 from k3.rl.data.records import load_prompts
+from k3.rl.delivery import delivery_keys, delivery_problems
 from k3.rl.engines import (BREAK_SYNC_ENV, check_engine_available, connect_engines, shutdown_engines,
                            start_engines)
 from k3.rl.errors import TrainingError, last_line
 from k3.rl.grpo import GRPOConfig, group_advantages
 from k3.rl.handles import LocalHandle, RayHandle, call_all, submit
 from k3.rl.metrics import MetricsWriter
+from k3.rl.on_policy import token_kl
 from k3.rl.progress import RolloutProgress
 from k3.rl.resume import (latest_checkpoint, load_checkpoint_state, load_optimizer_state, next_sync_index,
                           save_checkpoint)
@@ -122,23 +124,31 @@ class Loop:
         leaks = [f"rank {r}: {p}" if len(outs) > 1 else p for r, o in enumerate(outs)
                  for p in o.get("leak_problems") or []]
         out = outs[0]
-        for k, served in enumerate(self._on_engines("adapter_version")):
-            if served != version:
-                which = "the engine" if len(self.engines) == 1 else f"engine {k}"
-                raise TrainingError(
-                    f"after update_weights {which} serves adapter version {served}, expected {version}: the "
-                    "adapter sync is broken (the engine kept an old version)"
-                )
-        self.version = version
-        self.next_sync = sync_index + 1
+        # The engines' own answers (k3.rl.delivery): the version each reports active and the digest of every chunk
+        # it activated. The event carries them before anything is judged, so the harness sees a broken sync too.
+        reports = self._on_engines("adapter_report")
+        trained = out.get("chunk_digests", [])
         keys = {"sync": sync_index, "adapter/version": version, "adapter/chunks": out["chunks"],
-                "perf/update_weights_time": out["perf/update_weights_time"]}
+                "perf/update_weights_time": out["perf/update_weights_time"],
+                **delivery_keys(trained, reports, version)}
         if leaks:
             keys["leak"] = "; ".join(leaks)
             print(f"WARNING sync {sync_index}: {keys['leak']}", flush=True)
         if cycle_start is not None:
             keys["perf/cycle_time"] = time.perf_counter() - cycle_start
         self.w.write("sync", rollout_id, **keys)
+        for k, report in enumerate(reports):
+            if report["version"] != version:
+                which = "the engine" if len(self.engines) == 1 else f"engine {k}"
+                raise TrainingError(
+                    f"after update_weights {which} serves adapter version {report['version']}, expected {version}: "
+                    "the adapter sync is broken (the engine kept an old version)"
+                )
+        problems = delivery_problems(trained, reports, version)
+        if problems:
+            raise TrainingError(f"adapter sync {sync_index} did not deliver what was trained: {'; '.join(problems)}")
+        self.version = version
+        self.next_sync = sync_index + 1
         print(f"LoRA weight version {version} sent in {out['chunks']} chunks", flush=True)
         return out
 
@@ -213,6 +223,9 @@ class Loop:
         gbs = s.global_batch_size
         for start in range(0, len(trajs), gbs):  # one optimizer step per global batch
             train_metrics = self._rank0(self.trainer.call("train_step", trajs[start:start + gbs]))
+            # Every rank's replicas of every adapter tensor, after every step (k3.rl.replicas)
+            for replicas in _rank_list(self.trainer.call("replica_digests")):
+                self.w.write("replicas", rollout_id, **replicas)
         train_time = time.perf_counter() - t0
         self.w.write("train", rollout_id, **train_metrics, **{
             "perf/train_time": train_time,
@@ -221,6 +234,7 @@ class Loop:
             "rollout/rollout_log_probs": sum(engine_lp) / max(len(engine_lp), 1),
             "rollout/train_rollout_logprob_abs_diff":
                 sum(abs(x - y) for x, y in zip(trainer_lp, engine_lp)) / max(len(trainer_lp), 1),
+            "rollout/train_rollout_kl": token_kl(engine_lp, trainer_lp),
         })
         self._run_steps(colocate.after_train_steps(self._peak, self._levels))
         sync = self.sync(rollout_id, cycle_start=t_cycle)
@@ -295,6 +309,11 @@ class Loop:
     def save(self, rollout_id: int) -> Path:
         """Adapter (PEFT files) + optimizer state + loop state, atomically (``k3.rl.resume.save_checkpoint``)."""
         return save_checkpoint(self.s.run_dir, self.trainer, rollout_id, self.version)
+
+
+def _rank_list(out: Any) -> list[dict[str, Any]]:
+    """A trainer call's results as one per rank (a trainer group returns a list; one rank its own result)."""
+    return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
 def _rank_results(out: Any) -> list[dict[str, Any]]:

@@ -16,7 +16,7 @@ from typing import Any
 
 from k3.rl.tensorboard_writer import TENSORBOARD_DIR, TensorBoardWriter, tensorboard_available
 
-EVENTS = ("rollout", "train", "eval", "sync", "memory", "status")
+EVENTS = ("rollout", "train", "eval", "sync", "memory", "status", "replicas")
 
 
 class MetricsWriter:

@@ -19,8 +19,10 @@ from typing import Any
 
 import torch
 
+from k3.lora.digest import chunk_digest
 from k3.lora.export import export_chunks, load_peft_adapter, save_peft_adapter
 from k3.rl.grpo import GRPOConfig
+from k3.rl.replicas import replica_digests
 from k3.rl.trainers.megatron import build_megatron_policy
 from k3.rl.trainers.torch import PolicyTrainer
 from k3.rl.trainers.trajectory import Trajectory
@@ -90,16 +92,23 @@ class TrainerWorker:
     def train_step(self, trajs: list[Trajectory]) -> dict[str, float]:
         return self.policy.train_step(trajs)
 
+    def replica_digests(self) -> dict[str, Any]:
+        """After an optimizer step: ``{"rank", "step", "digests": {label: digest}}`` of every adapter tensor this
+        rank holds (``k3.rl.replicas``); ranks that hold replicas of a tensor give it the same label."""
+        return {"rank": self.rank, "step": int(self.policy.steps), "digests": replica_digests(self.policy.model)}
+
     # -- sync
     def update_weights(self, version: int) -> dict[str, Any]:
         """Export every adapter chunk of ``version`` and hand them to the engine (a rank set to
         :meth:`export_only` drops them); memory is sampled before and after (the harness's
-        ``returns_to_baseline``). Returns timings, chunk count and the memory records."""
+        ``returns_to_baseline``). Returns timings, chunk count, the memory records and ``chunk_digests``: the
+        ``k3.lora.digest.chunk_digest`` of each chunk as sent, in order (what the engine must report back)."""
         if self._producer is None and not self._export_only:
             raise RuntimeError("update_weights before connect(): the engine's adapter socket is not open")
         before = self.leak.memory_record("before_update_weights", rank=self.rank)
         t0 = time.perf_counter()
         n = 0
+        digests: list[str] = []  # per chunk, of what is sent: the engine must report the same for what it activated
 
         # Each chunk is exported straight into the bucket (or transfer buffer) it travels in: no staging copy.
         into = None if self._producer is None else self._producer.bucket_for
@@ -110,12 +119,13 @@ class TrainerWorker:
                       else export_chunks(self.policy.model, version, device=self.spec.device, out=into))
             for chunk in chunks:
                 n += 1
+                digests.append(chunk_digest(chunk.tensors))
                 yield chunk
 
         if self._producer is None:  # export_only: run the collective stream to its end, send nothing
             for chunk in counted():
                 del chunk  # one chunk held at a time
-            return self._sync_result(version, n, t0, before, active_version=None, fed=False)
+            return self._sync_result(version, n, t0, before, active_version=None, fed=False, digests=digests)
         try:
             ack = self._producer.send_version(counted())
         except HandoffError:
@@ -127,10 +137,11 @@ class TrainerWorker:
             raise
         if not ack.ok:
             raise RuntimeError(f"the engine rejected adapter version {version}: {ack.error}")
-        return self._sync_result(version, n, t0, before, active_version=ack.active_version, fed=True)
+        return self._sync_result(version, n, t0, before, active_version=ack.active_version, fed=True,
+                                 digests=digests)
 
     def _sync_result(self, version: int, n: int, t0: float, before: dict[str, Any],
-                     active_version: int | None, fed: bool) -> dict[str, Any]:
+                     active_version: int | None, fed: bool, digests: list[str] | None = None) -> dict[str, Any]:
         elapsed = time.perf_counter() - t0
         # Two warm-up syncs: the startup one, and the first after a train step (the optimizer allocates its state,
         # and Megatron its grad buffers, on the first step: measured +65.55 MiB CUDA for the tiny model on the
@@ -144,7 +155,7 @@ class TrainerWorker:
         after = self.leak.memory_record("after_update_weights", rank=self.rank)
         return {"version": version, "chunks": n, "perf/update_weights_time": elapsed,
                 "memory": [before, after], "engine_active_version": active_version,
-                "fed_engine": fed, "leak_problems": list(problems)}
+                "fed_engine": fed, "leak_problems": list(problems), "chunk_digests": list(digests or [])}
 
     # -- adapter checkpoints
     def save_adapter(self, directory: str) -> str:

@@ -124,7 +124,7 @@ def test_run_dir_reports_malformed_and_truncated_lines_with_file_and_line(tmp_pa
         "metrics.jsonl:2: not JSON: Expecting property name enclosed in double quotes at column 2; skipped",
         "metrics.jsonl:3: expected a JSON object, got list; skipped",
         "metrics.jsonl:4: missing 'time'; skipped",
-        "metrics.jsonl:5: unknown event 'bogus' (expected one of rollout, train, eval, sync, memory, status); skipped",
+        "metrics.jsonl:5: unknown event 'bogus' (expected one of rollout, train, eval, sync, memory, status, replicas); skipped",
         "metrics.jsonl:6: 'rollout_id' must be a non-negative integer or null, got -1; skipped",
         "metrics.jsonl:7: memory event needs an integer 'rank', got None; skipped",
     ]

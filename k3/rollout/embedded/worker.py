@@ -18,13 +18,16 @@ from typing import Any
 
 import torch
 
-from k3.lora.export import chunk_layout
+from k3.lora.digest import chunk_digest
+from k3.lora.export import chunk_layout, export_chunks
+from k3.rollout.embedded.chunk_record import ChunkRecordingReceiver
 from k3.rollout.embedded.engine import EmbeddedEngine
+from k3.rollout.embedded.sync_faults import SyncFault, sync_fault_from_env
 from k3.rollout.lora_model import load_lora_model
 from k3.rollout.protocol import GenerateRequest, Sample, SamplingParams
 from k3.settings.worker import WorkerSpec
 from k3.tokenizer import load_tokenizer
-from k3.transport.handoff import AdapterReceiver, serve
+from k3.transport.handoff import serve
 
 __all__ = ["EngineWorker"]
 
@@ -35,6 +38,10 @@ class EngineWorker:
     ``max_concurrency``: requests per generation pass (``--rollout-max-concurrency``); ``cpu_backup``: keep the
     base on host while the weights are released (``--lora-base-cpu-backup``); ``sabotage_sync``: the test hook of a
     broken adapter sync (every chunk is acked, no version is ever activated: the engine keeps serving version 0).
+    ``K3_TEST_SYNC_FAULT`` (test-only, ``k3.rollout.embedded.sync_faults``) plants a subtler fault.
+
+    After every activation the worker digests, per chunk it received, those tensors as its model now holds them
+    (``adapter_report``): what the trainer's ``chunk_digests`` of the same sync must equal.
     """
 
     def __init__(self, spec: WorkerSpec, max_concurrency: int, cpu_backup: bool = True,
@@ -47,6 +54,8 @@ class EngineWorker:
         self._listener: Listener | None = None
         self._thread: threading.Thread | None = None
         self._error: str | None = None
+        self._fault: SyncFault | None = sync_fault_from_env()
+        self._report: dict[str, Any] = {"version": 0, "chunk_digests": {}}
 
     # -- hand-off
     def listen(self) -> tuple[str, bytes]:
@@ -60,9 +69,10 @@ class EngineWorker:
         def activate(version: int, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
             if self._sabotage_sync:
                 return
-            self.engine.activate(version, tensors)
+            self._activate(version, tensors, dict(receiver.names))
 
-        receiver = AdapterReceiver(expected=expected, on_activate=activate, device=self.spec.device, digest=False)
+        receiver = ChunkRecordingReceiver(expected=expected, on_activate=activate, device=self.spec.device,
+                                          digest=False)
 
         def run() -> None:
             try:
@@ -77,6 +87,39 @@ class EngineWorker:
 
     def error(self) -> str | None:
         return self._error
+
+    def _active_tensors(self) -> dict[str, torch.Tensor]:
+        """The model's adapter tensors by PEFT name, as the trainer exports them (BF16)."""
+        return {name: t for chunk in export_chunks(self.engine.model, self.engine.adapter_version())
+                for name, t in chunk.tensors}
+
+    def _activate(self, version: int, tensors: dict[str, torch.Tensor], names: dict[int, tuple[str, ...]]) -> None:
+        """Activate ``version`` and record, per received chunk, the digest of its tensors as the model now holds
+        them (a planted ``K3_TEST_SYNC_FAULT`` bends this; see ``k3.rollout.embedded.sync_faults``)."""
+        fault = self._fault if self._fault is not None and self._fault.applies_to(version) else None
+        reported = dict(names)
+        applied = tensors
+        if fault is not None:
+            previous = self._active_tensors()
+            if fault.kind == "keep_adapter":
+                applied = {name: previous[name] for name in tensors}
+            else:
+                if fault.chunk not in names:
+                    raise ValueError(f"{fault.kind}:{fault.chunk}: version {version} has chunks 0..{len(names) - 1}")
+                applied = dict(tensors) | {name: previous[name] for name in names[fault.chunk]}
+                if fault.kind == "drop_chunk":
+                    del reported[fault.chunk]
+        self.engine.activate(version, applied)
+        # keep_adapter lies: it reports what it received, not what its model holds
+        held = tensors if fault is not None and fault.kind == "keep_adapter" else self._active_tensors()
+        self._report = {"version": version,
+                        "chunk_digests": {i: chunk_digest([(n, held[n]) for n in ns]) for i, ns in sorted(reported.items())}}
+
+    def adapter_report(self) -> dict[str, Any]:
+        """What the engine says it activated: ``{"version": V, "chunk_digests": {chunk index: digest}}`` — the
+        ``k3.lora.digest.chunk_digest`` of each chunk of version V it received, over those tensors as its model
+        holds them after activation (a chunk it never received has no entry)."""
+        return {"version": self.engine.adapter_version(), "chunk_digests": dict(self._report["chunk_digests"])}
 
     # -- protocol passthrough
     def generate(self, requests: Sequence[GenerateRequest], sampling: SamplingParams) -> list[Sample]:

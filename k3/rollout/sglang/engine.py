@@ -14,6 +14,7 @@ from k3.rollout.errors import AdapterVersionError, EngineStateError
 from k3.rollout.protocol import MEMORY_TAGS, GenerateRequest, Sample, SamplingParams, check_tags
 from k3.rollout.sglang.backend import SGLangBackend
 from k3.rollout.sglang.errors import SGLangError
+from k3.lora.digest import chunk_digest
 from k3.rollout.sglang.payload import build_lora_payload, tensor_checksums
 from k3.rollout.sglang.results import sample_from_output
 from k3.rollout.sglang.sampling import build_sampling_params
@@ -77,6 +78,7 @@ class SGLangEngine:
         self.atomic_swap = atomic_swap
         self.pause_mode = pause_mode
         self.verify_checksums = verify_checksums
+        self._chunk_digests: dict[int, str] = {}  # of the active version, by chunk index (adapter_report)
         self._stop_ids = (tokenizer.eos_id,) if getattr(tokenizer, "eos_id", None) is not None else ()
         self._max_rank = server_args.get("max_lora_rank")
         targets = server_args.get("lora_target_modules")
@@ -120,6 +122,13 @@ class SGLangEngine:
     # ------------------------------------------------------------------ adapters
     def adapter_version(self) -> int:
         return self._version
+
+    def adapter_report(self) -> dict[str, Any]:
+        """``{"version": V, "chunk_digests": {chunk index: digest}}``: the ``k3.lora.digest.chunk_digest`` of each
+        chunk of the active version as it was handed to SGLang (with ``verify_checksums`` SGLang checked every
+        tensor of it against its SHA-256 on arrival); empty while the engine serves the base model."""
+        digests = self._chunk_digests if self._version else {}
+        return {"version": self._version, "chunk_digests": dict(digests)}
 
     def load_adapter(self, chunks: Iterable[Any], version: int) -> None:
         """Load adapter ``version`` from its ``AdapterChunk`` stream (``is_first`` … ``is_last``).
@@ -287,6 +296,7 @@ class AdapterLoad:
         self._name = engine._name_for(version)
         self._old = engine._loaded
         self._named: list[tuple[str, torch.Tensor]] = []  # whole mode: the version's tensors until finish()
+        self._digests: list[str] = []  # chunk_digest of each accepted chunk, in order
         self._sent = False  # from the first send on, SGLang may hold part of this version
         self._paused_here = not engine.is_paused
         self.is_open = True
@@ -308,6 +318,7 @@ class AdapterLoad:
         engine = self._engine
         try:
             self._stream.accept(chunk)
+            self._digests.append(chunk_digest(chunk.tensors))
             if engine.load_mode == "whole":
                 self._named.extend(chunk.tensors)
                 return
@@ -342,6 +353,7 @@ class AdapterLoad:
             raise self.abort(e) from e
         try:
             engine._activate(self._name, self.version, self._old)
+            engine._chunk_digests = dict(enumerate(self._digests))
         finally:
             self._close()
 

@@ -149,6 +149,9 @@ class SGLangEngineWorker:
     def adapter_version(self) -> int:
         return self._on_engine_thread(self._head("adapter_version").adapter_version)
 
+    def adapter_report(self) -> dict[str, Any]:
+        return self._on_engine_thread(self._head("adapter_report").adapter_report)
+
     def release_memory(self, tags: Sequence[str]) -> None:
         self._on_engine_thread(self._head("release_memory").release_memory, list(tags))
 
