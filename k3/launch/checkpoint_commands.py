@@ -55,23 +55,32 @@ def make_checkpoint(
                                                    "schedule is re-derived (every 4th and the last are MLA).")]
     = None,
     overwrite: Annotated[bool, typer.Option(help="Replace --out if it exists and is not empty.")] = False,
-    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar over bytes.")] = True,
+    workers: Annotated[int | None, typer.Option(help="Processes that generate and write in parallel (default: "
+                                                "one per CPU, at most 16, one per 256 MB of output; 1: this "
+                                                "process). The bytes do not depend on it.")] = None,
+    device: Annotated[Device, typer.Option("--device", help="Where values are generated: cpu, or cuda (the same "
+                                           "bytes). cuda without a GPU is an error.")] = Device.cpu,
 ) -> None:
     """Write a synthetic Kimi-K3 checkpoint in the released layout: config.json, sharded safetensors with the \
 language_model. prefix and model.safetensors.index.json, random weights at realistic scales.
 
-    It streams (memory holds one chunk of one tensor), so every variant fits in RAM; the full one needs ~1.56 TB \
-of disk."""
+    The same seed gives the same bytes on any device and worker count. Memory holds one chunk per worker, so \
+every variant fits in RAM; the full one needs ~1.56 TB of disk. The output appears only when complete."""
+    import time
+
     from k3.checkpoint.synth import synthetic_config, write_synthetic_checkpoint
 
+    t0 = time.perf_counter()
     try:
         cfg = synthetic_config(variant_name.value, num_experts, num_layers)
         size = parse_size(max_shard_size)
         path = write_synthetic_checkpoint(cfg, out, fmt.value, seed=seed, max_shard_size=size,
-                                          overwrite=overwrite, progress=progress)
+                                          overwrite=overwrite, progress=progress, workers=workers,
+                                          device=device.value)
     except (CheckpointError, ConfigError, ValueError) as e:
         _fail(e)
-    typer.echo(f"wrote {fmt.value} {variant_name.value} checkpoint to {path}")
+    typer.echo(f"wrote {fmt.value} {variant_name.value} checkpoint to {path} in {time.perf_counter() - t0:.1f} s")
 
 
 convert_app = typer.Typer(

@@ -21,12 +21,23 @@ from k3.tokenizer import load_tokenizer
 
 
 def warmup_key(base_dir: str | Path, **settings: object) -> str:
-    """Cache key: the base checkpoint's index + config bytes and the warm-up settings."""
+    """Cache key: the base checkpoint's config, index and weight bytes, and the warm-up settings.
+
+    The weights count, not just their index: a base with the same names and shapes but other values (another
+    seed, or a change in how synthetic checkpoints are generated) must not reuse a stale warm-up. The bases warmed
+    up are small (the smoke's tiny model, a few MB), so reading them whole costs nothing.
+    """
     h = hashlib.sha256()
+    base = Path(base_dir)
     for name in ("config.json", "model.safetensors.index.json"):
-        p = Path(base_dir) / name
+        p = base / name
         if p.exists():
             h.update(p.read_bytes())
+    for p in sorted(base.glob("*.safetensors")):
+        h.update(p.name.encode())
+        with open(p, "rb") as f:
+            while block := f.read(16 << 20):
+                h.update(block)
     h.update(json.dumps(settings, sort_keys=True, default=str).encode())
     return h.hexdigest()[:16]
 

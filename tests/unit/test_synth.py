@@ -1,24 +1,39 @@
 """Synthetic checkpoints: released layout, per-family init scales, determinism, shard planning, streaming memory,
-the CLI, and a healthy tiny model."""
+the CLI, and a healthy tiny model; the random stream against a pure-Python reference, experts against the MXFP4
+codec, the same bytes for any worker count (and on CUDA), and a failed or killed writer leaving nothing."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
+import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from typer.testing import CliRunner
 
+from k3.checkpoint import synth
 from k3.checkpoint.hf_io import INDEX_NAME, CheckpointError, load_state_dict, read_safetensors_header
-from k3.checkpoint.layout import checkpoint_layout
-from k3.checkpoint.synth import plan_shards, synthetic_config, write_synthetic_checkpoint
+from k3.checkpoint.layout import TensorSpec, checkpoint_layout
+from k3.checkpoint.synth import (
+    TABLE_SIZE,
+    default_workers,
+    draws,
+    plan_shards,
+    stream_key,
+    synthetic_config,
+    synthetic_tensor,
+    write_synthetic_checkpoint,
+)
 from k3.config import QUANTIZATION_CONFIG_MXFP4, K3Config, variant
-from k3.kernels.mxfp4.codec import decode_mxfp4
+from k3.kernels.mxfp4.codec import decode_mxfp4, encode_mxfp4
 from k3.launch.checkpoint_commands import make_checkpoint
 
 P = "language_model."
@@ -186,7 +201,8 @@ def test_streams_one_chunk_at_a_time(tmp_path):
                                       num_hidden_layers=2, num_experts=2, num_experts_per_token=1)
         torch.empty(CHUNK_ELEMENTS, dtype=torch.bfloat16).normal_()  # allocator warm-up in the baseline
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        write_synthetic_checkpoint(cfg, {str(tmp_path / 'big')!r}, "bf16", max_shard_size=10**12, progress=False)
+        write_synthetic_checkpoint(cfg, {str(tmp_path / 'big')!r}, "bf16", max_shard_size=10**12, progress=False,
+                                   workers=1)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         print(peak - base)
     """)
@@ -207,3 +223,234 @@ def test_tiny_model_is_numerically_healthy(tmp_path):
     assert 0.3 < logits.std().item() < 3.0  # neither collapsed nor exploding
     p = logits.softmax(-1)
     assert 0.003 < p.max(-1).values.mean().item() < 0.5  # peaked a little, far from one-hot
+
+
+# ------------------------------------------------------------------------------------------------ the stream
+MASK64 = (1 << 64) - 1
+
+
+def reference_draws(key: int, start: int, count: int) -> list[int]:
+    """The module docstring's definition in plain Python integers: splitmix64's finaliser of ``key + j * golden``
+    mod 2^64, four little-endian 16-bit draws per word, each XOR 0x8000."""
+    out = []
+    for i in range(start, start + count):
+        z = (key + (i // 4) * 0x9E3779B97F4A7C15) & MASK64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+        z ^= z >> 31
+        out.append(((z >> (16 * (i % 4))) & 0xFFFF) ^ 0x8000)
+    return out
+
+
+@pytest.mark.parametrize("start,count", [(0, 64), (3, 61), (1 << 40, 9), ((1 << 33) + 2, 7)])
+def test_draws_match_the_reference(start, count):
+    for key in (stream_key(0, "a"), stream_key(7, P + "model.layers.0.mlp.up_proj.weight"), -1, 0):
+        assert draws(key, start, count).tolist() == reference_draws(key, start, count), (key, start)
+
+
+def test_stream_key_is_the_seed_and_name():
+    assert stream_key(0, "x") == stream_key(0, "x") != stream_key(1, "x") != stream_key(0, "y")
+    assert -(1 << 63) <= stream_key(0, "x") < 1 << 63
+
+
+def test_draws_do_not_depend_on_the_split():
+    key = stream_key(5, "w")
+    whole = draws(key, 10, 1000)
+    parts = torch.cat([draws(key, 10, 3), draws(key, 13, 500), draws(key, 513, 497)])
+    assert whole.dtype == torch.int32 and torch.equal(whole, parts)
+
+
+def test_draws_are_uniform_16_bit_values():
+    d = draws(stream_key(0, "uniform"), 0, 1 << 20).long()
+    assert int(d.min()) >= 0 and int(d.max()) < TABLE_SIZE
+    counts = torch.bincount(d, minlength=TABLE_SIZE).double()
+    chi2 = ((counts - 16) ** 2 / 16).sum().item()  # 65535 degrees of freedom: mean 65535, sd ~362
+    assert abs(chi2 - 65535) < 6 * 362
+    for bit in range(16):  # every bit is a fair coin
+        assert abs(((d >> bit) & 1).double().mean().item() - 0.5) < 0.005, bit
+    u = d.double() / TABLE_SIZE - 0.5
+    assert abs((u[1:] * u[:-1]).mean().item()) * 12 < 0.01  # neighbours (same word and across words) uncorrelated
+    assert abs((u[4:] * u[:-4]).mean().item()) * 12 < 0.01
+
+
+def reference_table(kind: str, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    q = (torch.arange(TABLE_SIZE, dtype=torch.float64) + 0.5) / TABLE_SIZE
+    if kind == "normal":
+        return (torch.special.ndtri(q) * scale).to(dtype)
+    assert kind == "uniform"
+    return ((2 * q - 1) * scale).to(dtype)
+
+
+def spec_of(cfg: K3Config, fmt: str, role: str) -> TensorSpec:
+    return next(s for s in checkpoint_layout(cfg, fmt) if s.role == role)
+
+
+@pytest.mark.parametrize("role,kind", [("embedding", "normal"), ("linear", "normal"), ("linear_out", "normal"),
+                                       ("conv", "uniform")])
+def test_values_are_the_distribution_table_at_the_draws(role, kind):
+    cfg = variant("tiny")
+    s = spec_of(cfg, "mxfp4", role)
+    scale = {"embedding": 1.0, "linear": s.fan_in**-0.5, "linear_out": (2 * cfg.num_hidden_layers * s.fan_in) ** -0.5,
+             "conv": cfg.linear_attn_config.short_conv_kernel_size**-0.5}[role]
+    got = torch.cat([chunk for _, chunk, _ in synthetic_tensor(s, cfg, seed=9)])
+    d = draws(stream_key(9, s.name), 0, math.prod(s.shape)).long()
+    assert got.dtype == s.dtype and tuple(got.shape) == s.shape
+    assert torch.equal(got.flatten(), reference_table(kind, scale, s.dtype)[d])
+
+
+def expert_spec(out_features: int, in_features: int, role: str) -> TensorSpec:
+    name = P + "model.layers.1.block_sparse_moe.experts.0.w1"
+    if role == "expert":
+        return TensorSpec(name + ".weight", (out_features, in_features), torch.bfloat16, role, 1)
+    return TensorSpec(name + ".weight_packed", (out_features, in_features // 2), torch.uint8, role, 1,
+                      (out_features, in_features))
+
+
+@pytest.mark.parametrize("out_features,in_features", [(40, 96), (7, 48), (3, 2), (130, 3584)])
+def test_experts_are_the_codec_encoding_of_the_normal_values(out_features, in_features):
+    # in 48 and 2: a short last block, padded inside; 3584: the release's width
+    cfg = variant("tiny")
+    d = draws(stream_key(4, P + "model.layers.1.block_sparse_moe.experts.0.w1.weight"), 0, out_features * in_features)
+    values = reference_table("normal", in_features**-0.5, torch.bfloat16)[d.long()].view(out_features, in_features)
+    want_packed, want_scale = encode_mxfp4(values)
+    assert len(set(want_scale.flatten().tolist())) > 1 or out_features * in_features < 100  # scales do vary
+    chunks = list(synthetic_tensor(expert_spec(out_features, in_features, "expert_packed"), cfg, seed=4))
+    assert torch.equal(torch.cat([c for _, c, _ in chunks]), want_packed)
+    assert torch.equal(torch.cat([s for _, _, s in chunks]), want_scale)
+    bf16 = torch.cat([c for _, c, _ in synthetic_tensor(expert_spec(out_features, in_features, "expert"), cfg, 4)])
+    assert torch.equal(bf16, decode_mxfp4(want_packed, want_scale))
+
+
+def test_chunk_size_does_not_change_the_values(monkeypatch):
+    cfg = variant("tiny")
+    for role, fmt in (("linear", "mxfp4"), ("expert_packed", "mxfp4"), ("expert", "bf16"), ("a_log", "mxfp4")):
+        s = spec_of(cfg, fmt, role)
+        whole = list(synthetic_tensor(s, cfg, seed=2))
+        monkeypatch.setattr(synth, "CHUNK_ELEMENTS", 100)
+        small = list(synthetic_tensor(s, cfg, seed=2))
+        monkeypatch.undo()
+        assert len(small) > len(whole) == 1, role
+        for k in (1, 2):
+            if whole[0][k] is not None:
+                assert torch.equal(torch.cat([c[k] for c in small]), whole[0][k]), role
+
+
+# ------------------------------------------------------------------------------------------------ workers, devices
+def assert_every_shard_present_and_indexed(out: Path, fmt: str) -> None:
+    index = json.loads((out / INDEX_NAME).read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert sorted(p.name for p in out.glob("*.safetensors")) == shards
+    for shard in shards:
+        h = read_safetensors_header(out / shard)  # raises on a truncated file or trailing bytes
+        assert sorted(h.entries) == sorted(n for n, f in index["weight_map"].items() if f == shard)
+        assert h.metadata == {"format": "pt"}
+    assert index["metadata"]["total_size"] == sum(s.nbytes for s in checkpoint_layout(variant("tiny"), fmt))
+
+
+def test_same_bytes_for_any_worker_count(tmp_path, tiny_mx):
+    three = write_synthetic_checkpoint(variant("tiny"), tmp_path / "w3", "mxfp4", seed=3, max_shard_size=200_000,
+                                       progress=False, workers=3)
+    assert len(list(three.glob("*.safetensors"))) > 2
+    assert_every_shard_present_and_indexed(three, "mxfp4")
+    assert file_hashes(three) == file_hashes(tiny_mx)
+    one = write_synthetic_checkpoint(variant("tiny"), tmp_path / "b1", "bf16", seed=3, max_shard_size=300_000,
+                                     progress=False, workers=1)
+    two = write_synthetic_checkpoint(variant("tiny"), tmp_path / "b2", "bf16", seed=3, max_shard_size=300_000,
+                                     progress=False, workers=2)
+    assert_every_shard_present_and_indexed(two, "bf16")
+    assert file_hashes(two) == file_hashes(one)
+    assert not list(tmp_path.glob(".*"))
+
+
+def test_default_workers_follow_the_size_and_the_cpus():
+    cpus = len(os.sched_getaffinity(0))
+    assert default_workers(1) == 1 and default_workers(synth.BYTES_PER_AUTO_WORKER) == 1
+    assert default_workers(2 * synth.BYTES_PER_AUTO_WORKER + 1) == min(3, cpus)
+    assert default_workers(10**15) == min(cpus, synth.MAX_AUTO_WORKERS)
+
+
+@pytest.mark.gpu
+def test_cuda_writes_the_same_bytes(tmp_path, tiny_mx):
+    for workers in (1, 2):
+        gpu = write_synthetic_checkpoint(variant("tiny"), tmp_path / f"g{workers}", "mxfp4", seed=3,
+                                         max_shard_size=200_000, progress=False, workers=workers, device="cuda")
+        assert file_hashes(gpu) == file_hashes(tiny_mx), workers
+    cpu = write_synthetic_checkpoint(variant("tiny"), tmp_path / "cb", "bf16", seed=3, progress=False)
+    gpu = write_synthetic_checkpoint(variant("tiny"), tmp_path / "gb", "bf16", seed=3, progress=False, device="cuda")
+    assert file_hashes(gpu) == file_hashes(cpu)
+    key = stream_key(0, "x")
+    assert draws(key, 5, 1 << 20, "cuda").cpu().equal(draws(key, 5, 1 << 20))
+
+
+# ------------------------------------------------------------------------------------------------ bad input, failures
+def test_refuses_bad_workers_and_devices(tmp_path):
+    out = tmp_path / "x"
+    with pytest.raises(CheckpointError, match="--workers 0: expected at least 1"):
+        write_synthetic_checkpoint(variant("tiny"), out, workers=0, progress=False)
+    with pytest.raises(CheckpointError, match="--device 'tpu': expected one of cpu, cuda"):
+        write_synthetic_checkpoint(variant("tiny"), out, device="tpu", progress=False)
+    if not torch.cuda.is_available():
+        with pytest.raises(CheckpointError, match="--device cuda: no CUDA device is available"):
+            write_synthetic_checkpoint(variant("tiny"), out, device="cuda", progress=False)
+    assert not list(tmp_path.iterdir())  # refused before anything was created
+
+
+def test_cli_refuses_bad_workers_and_devices(tmp_path):
+    import typer
+
+    app = typer.Typer()
+    app.command()(make_checkpoint)
+    runner = CliRunner()
+    r = runner.invoke(app, ["--out", str(tmp_path / "c"), "--workers", "0", "--no-progress"])
+    assert r.exit_code == 1 and "--workers 0: expected at least 1" in r.output
+    r = runner.invoke(app, ["--out", str(tmp_path / "c"), "--device", "tpu", "--no-progress"])
+    assert r.exit_code == 2 and "Invalid value for '--device'" in r.output
+    r = runner.invoke(app, ["--out", str(tmp_path / "c"), "--workers", "1", "--device", "cpu", "--no-progress"])
+    assert r.exit_code == 0, r.output
+    assert "wrote mxfp4 tiny checkpoint to" in r.output and not list(tmp_path.glob(".*"))
+
+
+def test_a_failing_writer_leaves_nothing(tmp_path, monkeypatch):
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:
+            raise RuntimeError("disk on fire")
+        return real(*args, **kwargs)
+
+    real = synth._chunk
+    monkeypatch.setattr(synth, "_chunk", failing)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        write_synthetic_checkpoint(variant("tiny"), tmp_path / "x", progress=False, workers=1)
+    assert not list(tmp_path.iterdir())  # no output, no staging folder
+
+
+def test_a_killed_writer_leaves_no_checkpoint_and_no_workers(tmp_path):
+    psutil = pytest.importorskip("psutil")
+    out = tmp_path / "big"
+    script = textwrap.dedent(f"""
+        from k3.checkpoint.synth import write_synthetic_checkpoint
+        from k3.config import variant
+        cfg = variant("tiny").replace(vocab_size=65536, hidden_size=1024, intermediate_size=2048,
+                                      num_hidden_layers=4, num_experts=2, num_experts_per_token=1)
+        write_synthetic_checkpoint(cfg, {str(out)!r}, "bf16", max_shard_size=50_000_000, progress=False, workers=2)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    staging = tmp_path / ".big.k3-synth-partial"
+    try:
+        deadline = time.monotonic() + 120
+        children: list = []
+        while time.monotonic() < deadline and sum("spawn_main" in " ".join(c.cmdline()) for c in children) < 2:
+            time.sleep(0.1)
+            assert proc.poll() is None, "the writer finished before it could be killed"
+            children = psutil.Process(proc.pid).children()
+        assert staging.is_dir() and sum("spawn_main" in " ".join(c.cmdline()) for c in children) == 2
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    gone, alive = psutil.wait_procs(children, timeout=30)  # the pool workers and multiprocessing's tracker
+    assert not alive, "processes outlived their killed parent"
+    assert not out.exists()  # only the hidden staging folder is left
+    write_synthetic_checkpoint(variant("tiny"), out, progress=False)  # a rerun starts over
+    assert not staging.exists() and (out / INDEX_NAME).exists()

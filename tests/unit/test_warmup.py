@@ -24,3 +24,14 @@ def test_warmup_learns_saves_and_keys(tmp_path):
     assert not list(tmp_path.glob("warm.tmp-*"))  # the temp dir was renamed into place
     k = warmup_key(tmp_path / "base", steps=12)
     assert k == warmup_key(tmp_path / "base", steps=12) != warmup_key(tmp_path / "base", steps=13)
+
+
+def test_warmup_key_follows_the_weights_not_just_their_names(tmp_path):
+    from k3.checkpoint.synth import write_synthetic_checkpoint
+
+    a = write_synthetic_checkpoint(variant("tiny"), tmp_path / "a", "bf16", seed=0, progress=False)
+    b = write_synthetic_checkpoint(variant("tiny"), tmp_path / "b", "bf16", seed=1, progress=False)
+    for name in ("config.json", "model.safetensors.index.json"):  # same names, shapes and config: only values differ
+        assert (a / name).read_bytes() == (b / name).read_bytes()
+    assert warmup_key(a, steps=1) != warmup_key(b, steps=1)
+    assert warmup_key(a, steps=1) == warmup_key(tmp_path / "a", steps=1)
