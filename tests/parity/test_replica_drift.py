@@ -34,11 +34,13 @@ def _worker(root: Path, fault: bool) -> None:
     from k3.rl.grpo import GRPOConfig
     from k3.rl.replicas import replica_digests
     from k3.rl.trainers.megatron import build_megatron_policy
+    from k3.settings.parallel import ParallelLayout
 
     base = write_tiny_checkpoint(root / f"rank{os.environ['RANK']}")  # each process its own copy
     policy = build_megatron_policy(base, LoRAConfig(rank=4, alpha=8.0), pad_id=0,
                                    grpo=GRPOConfig(lr=5e-3, weight_decay=0.0, clip_grad=0.0),
-                                   max_tokens_per_micro_batch=24, seed=3, parallel=(1, 2, 1, 1))
+                                   max_tokens_per_micro_batch=24, seed=3,
+                                   layout=ParallelLayout.model_parallel(ep=2))
     rank = dist.get_rank()
     if fault and rank == 1:
         real = grads.reduce_k3_grads
