@@ -30,13 +30,14 @@ from measure import report  # noqa: E402
 
 from k3.config import variant
 from k3.lora import LoRAConfig
-from k3.megatron.config import ParallelSizes, k3_transformer_config
+from k3.megatron.config import k3_transformer_config
 from k3.megatron.lora import apply_megatron_lora
 from k3.megatron.model import k3_model_provider
 from k3.megatron.packed import packed_seq_params
 from k3.megatron.packing import packed_bounds
 from k3.megatron.parallel import init_parallel
 from k3.megatron.recompute import Recompute
+from k3.settings.parallel import ParallelLayout
 
 MODES = {
     "none": Recompute(),
@@ -104,7 +105,7 @@ def one_mode(name: str, cfg, ids: torch.Tensor, labels: torch.Tensor, cu: torch.
 def run(args: argparse.Namespace) -> dict:
     if not torch.cuda.is_available():
         raise SystemExit("bench/gpu_recompute.py needs a CUDA GPU")
-    init_parallel(ParallelSizes())
+    init_parallel(ParallelLayout.model_parallel())
     cfg = k3_slice(args.experts, args.topk, args.vocab)
     lengths = [args.seq_len // args.sequences] * args.sequences
     cu = packed_bounds(lengths)
