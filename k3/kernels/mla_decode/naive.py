@@ -6,7 +6,7 @@ the normed latent ``ckv_t`` and shared key ``kpe_t``:
     s_t = scale · (q_latent · ckv_t + q_rope · kpe_t)        per head
     o   = Σ_t softmax(s)_t · ckv_t                             [heads, kv_lora_rank], before W_UV
 
-Scores and the softmax run in float32; the two products with the cache run in the cache's dtype with float32
+Scores and the softmax run in float32 (float64 for a float64 cache); the two products with the cache run in the cache's dtype with float32
 accumulation (as a GEMM does), so a BF16 cache is never widened in memory.
 """
 
@@ -47,8 +47,9 @@ def mla_decode_masked(q_latent: torch.Tensor, q_rope: torch.Tensor, ckv: torch.T
                          f"{tuple(valid.shape)}, q batch {q_latent.shape[0]}: expected ckv [b, T, C], kpe [b, T, R], "
                          "valid [b, T]")
     dtype = ckv.dtype
-    scores = torch.bmm(q_latent.to(dtype), ckv.transpose(1, 2)).float()  # [b, h, T]
-    scores = scores + torch.bmm(q_rope.to(dtype), kpe.transpose(1, 2)).float()
+    acc = torch.promote_types(dtype, torch.float32)  # float32, or float64 for a float64 cache
+    scores = torch.bmm(q_latent.to(dtype), ckv.transpose(1, 2)).to(acc)  # [b, h, T]
+    scores = scores + torch.bmm(q_rope.to(dtype), kpe.transpose(1, 2)).to(acc)
     scores = (scores * scale).masked_fill(~valid[:, None, :], float("-inf"))
     p = torch.softmax(scores, dim=-1)
     return torch.bmm(p.to(dtype), ckv)
