@@ -137,3 +137,14 @@ def test_flashinfer_top_p_sampling_stays_in_the_nucleus_and_follows_the_distribu
     assert abs(share - 0.5 / 0.8) < 0.02
     again = fi.top_p_sample(probs, 0.8, torch.Generator(device="cuda").manual_seed(0))
     assert torch.equal(tok, again)  # seeded: reproducible
+
+
+def test_the_gpu_extra_pins_the_flashinfer_the_errors_name():
+    import tomllib
+    from pathlib import Path
+
+    extras = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())[
+        "project"]["optional-dependencies"]
+    assert fi.FLASHINFER_PIN in extras["gpu"]
+    # cluster leaves flashinfer to sglang's own pin (a second, different pin there could not be resolved)
+    assert not any(r.startswith("flashinfer") for r in extras["cluster"])
