@@ -403,3 +403,29 @@ def test_kv_cache_release_returns_device_memory():
     before = torch.cuda.memory_allocated()
     engine.release_memory(["kv_cache", "cuda_graph"])
     assert before - torch.cuda.memory_allocated() >= held
+
+
+def test_a_failed_graph_capture_falls_back_to_the_eager_window_said_once(model, reference, caplog):
+    """Forced onto the CPU, the capture fails for real (no CUDA): logged once, the batch decodes without graphs."""
+    import dataclasses
+
+    engine = EmbeddedEngine(model, ByteTokenizer(), max_concurrency=2, decode=DecodeSettings(mode="window"))
+    engine.decode_plan = dataclasses.replace(engine.decode_plan, mode="graph")
+    with caplog.at_level("WARNING", logger="k3.rollout.embedded.engine"):
+        for _ in range(2):
+            got = engine.generate([GenerateRequest(p) for p in PROMPTS], CONFIGS["greedy"])
+            assert [s.tokens for s in got] == [s.tokens for s in reference["greedy"]]
+    assert engine._graph_off  # why: here torch's CUDA graph pool does not exist on a CPU build
+    assert [r.message.count("CUDA graph capture failed") for r in caplog.records] == [1]
+    assert not engine._memory._graphs
+
+
+def test_flashinfer_failing_at_first_use_falls_back_to_torch_attention(model, reference, caplog):
+    import dataclasses
+
+    engine = EmbeddedEngine(model, ByteTokenizer(), max_concurrency=2, decode=DecodeSettings(mode="window"))
+    engine.decode_plan = dataclasses.replace(engine.decode_plan, mla_kernel="flashinfer")
+    with caplog.at_level("WARNING", logger="k3.rollout.embedded.engine"):
+        got = engine.generate([GenerateRequest(p) for p in PROMPTS], CONFIGS["sampled"])
+    assert [s.tokens for s in got] == [s.tokens for s in reference["sampled"]]
+    assert engine._flashinfer_off and "flashinfer" in caplog.text
