@@ -100,7 +100,8 @@ def weight_bytes_per_step(model: torch.nn.Module, batch: int, topk: int) -> int:
     return total
 
 
-def decode_ms_per_step(engine: EmbeddedEngine, prompts: list[list[int]], steps: int, repeats: int) -> tuple[float, list]:
+def decode_ms_per_step(engine: EmbeddedEngine, prompts: list[list[int]], steps: int,
+                       repeats: int) -> tuple[float, list]:
     reqs = [GenerateRequest(p) for p in prompts]
 
     def timed(n: int) -> tuple[float, list]:
@@ -168,8 +169,8 @@ def main(argv: list[str] | None = None) -> dict:
     result: dict = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "dtype": str(dtype).removeprefix("torch."),
-        "model": {"variant": "tiny" if args.tiny else "4layer", "hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers,
-                  "experts": cfg.num_experts, "topk": cfg.num_experts_per_token, "vocab": cfg.vocab_size,
+        "model": {"variant": "tiny" if args.tiny else "4layer", "hidden": cfg.hidden_size,
+                  "layers": cfg.num_hidden_layers, "experts": cfg.num_experts, "topk": cfg.num_experts_per_token, "vocab": cfg.vocab_size,
                   "params": params, "lora_rank": args.lora_rank},
         "prompt_len": prompt_len, "steps": steps,
         "copy_bandwidth_gb_s": bandwidth / 1e9,

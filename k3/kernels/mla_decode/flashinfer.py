@@ -130,7 +130,8 @@ class PagedMLADecode:
 
     def run(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_pages: torch.Tensor,
             kpe_pages: torch.Tensor) -> torch.Tensor:
-        """``q_nope [b, h, ckv]`` (absorbed), ``q_pe [b, h, kpe]``, caches ``[pages, page_size, ·]`` -> ``[b, h, ckv]``."""
+        """``q_nope [b, h, ckv]`` (absorbed), ``q_pe [b, h, kpe]``, caches ``[pages, page_size, ·]``
+        -> ``[b, h, ckv]``."""
         return self.wrapper.run(q_nope.contiguous(), q_pe.contiguous(), ckv_pages, kpe_pages)
 
 

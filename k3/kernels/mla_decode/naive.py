@@ -6,8 +6,8 @@ the normed latent ``ckv_t`` and shared key ``kpe_t``:
     s_t = scale · (q_latent · ckv_t + q_rope · kpe_t)        per head
     o   = Σ_t softmax(s)_t · ckv_t                             [heads, kv_lora_rank], before W_UV
 
-Scores and the softmax run in float32 (float64 for a float64 cache); the two products with the cache run in the cache's dtype with float32
-accumulation (as a GEMM does), so a BF16 cache is never widened in memory.
+Scores and the softmax run in float32 (float64 for a float64 cache); the two products with the cache run in the
+cache's dtype with float32 accumulation (as a GEMM does), so a BF16 cache is never widened in memory.
 """
 
 from __future__ import annotations

@@ -94,7 +94,8 @@ def resolve_decode(settings: DecodeSettings, device: torch.device, model: KimiK3
             if fi_missing is None and dtype in _FLASHINFER_DTYPES:
                 mla_kernel = "flashinfer"
             else:
-                notes.append(f"MLA attention torch: {fi_missing or f'the model is {dtype}, flashinfer takes BF16/FP16'}")
+                why = fi_missing or f"the model is {dtype}, flashinfer takes BF16/FP16"
+                notes.append(f"MLA attention torch: {why}")
 
     sampler = settings.sampler
     if sampler == "flashinfer" and fi_missing is not None:
