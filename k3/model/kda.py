@@ -98,7 +98,8 @@ class KDAttention(KeepsFloat32):
             x: ``[batch, seq, hidden]`` normed layer input.
             token_mask: ``[batch, seq]`` bool, False at padding; padded positions write nothing to the
                 state (zero q/k/v, no decay, β = 0).
-            state: carried conv/recurrent state, updated in place; None for a standalone sequence.
+            state: carried conv/recurrent state, updated (rebound in a ``K3Cache``, copied into the preallocated
+                tensors of a ``StaticK3Cache``); None for a standalone sequence.
 
         Returns:
             ``[batch, seq, hidden]``.
@@ -126,7 +127,7 @@ class KDAttention(KeepsFloat32):
                                 initial_state=state.recurrent if state else None)
         o = self.o_norm(o, self.g_proj(x).view(heads), out_dtype=x.dtype)
         if state is not None:
-            state.recurrent, state.conv_q, state.conv_k, state.conv_v = recurrent, conv_q, conv_k, conv_v
+            state.store(recurrent, conv_q, conv_k, conv_v)
         return self.o_proj(o.reshape(b, s, -1))
 
     # ---------------------------------------------------------------- A_log stored padded (architecture §3)

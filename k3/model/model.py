@@ -26,9 +26,9 @@ from k3.checkpoint.hf_io import (
 from k3.checkpoint.native import is_native_mxfp4, load_native_state_dict
 from k3.config import K3Config
 from k3.model.attn_res import AttnResBank, attn_res_final, attn_res_layer
-from k3.model.cache import K3Cache, KDALayerState, MLALayerState
+from k3.model.cache import K3Cache, KDALayerState, MLALayerState, StaticK3Cache, StaticMLALayerState
 from k3.model.kda import CausalConv1d, KDAttention
-from k3.model.mla import MLAttention
+from k3.model.mla import MLADecodeAttention, MLAttention, MLAWindow
 from k3.model.mlp import DenseMLP
 from k3.model.moe import LatentExperts, LatentMoE, Router
 from k3.model.norm import GatedRMSNorm, RMSNorm
@@ -66,18 +66,22 @@ class K3DecoderLayer(nn.Module):
         return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
 
     def forward(self, partial: torch.Tensor, bank: AttnResBank, token_mask: torch.Tensor | None,
-                key_mask: torch.Tensor | None, state: KDALayerState | MLALayerState | None = None
-                ) -> torch.Tensor:
+                key_mask: torch.Tensor | None,
+                state: KDALayerState | MLALayerState | StaticMLALayerState | None = None,
+                window: MLAWindow | None = None) -> torch.Tensor:
         """``partial [batch, seq, hidden]`` -> the next partial sum; ``bank`` is pushed at block starts.
 
         ``token_mask [batch, seq]`` and ``key_mask [batch, cached + seq]`` are False at padding (None: all
-        real); ``state`` is this layer's entry of the K3Cache.
+        real); ``state`` is this layer's entry of the cache; ``window`` (one token from a ``StaticK3Cache`` at its
+        device position) sends an MLA layer down its absorbed decode path.
         """
 
         def attn(a: torch.Tensor) -> torch.Tensor:
             x = self.input_layernorm(a)
             if self.is_kda:
                 return self.self_attn(x, token_mask=token_mask, state=state)
+            if window is not None:
+                return self.self_attn.decode_window(x, state, window)
             return self.self_attn(x, key_mask=key_mask, state=state)
 
         return attn_res_layer(
@@ -101,7 +105,7 @@ class KimiK3Model(nn.Module):
         self.output_attn_res_norm = RMSNorm(H, cfg.rms_norm_eps)
         self.output_attn_res_proj = nn.Linear(H, 1, bias=False)
 
-    def forward(self, input_ids: torch.Tensor, cache: K3Cache | None = None,
+    def forward(self, input_ids: torch.Tensor, cache: K3Cache | StaticK3Cache | None = None,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``input_ids [batch, seq]`` -> hidden ``[batch, seq, hidden]`` after the final norm.
 
@@ -123,24 +127,66 @@ class KimiK3Model(nn.Module):
                 raise ValueError(f"cache: made for batch {cache.batch_size}, got input_ids for batch {b}")
             if len(cache.layers) != len(self.layers):
                 raise ValueError(f"cache: has {len(cache.layers)} layers, the model {len(self.layers)}")
+            if isinstance(cache, StaticK3Cache) and cache.seen_tokens + s > cache.max_len:
+                raise ValueError(f"cache: holds {cache.seen_tokens} of its max_len {cache.max_len} tokens, no room "
+                                 f"for {s} more")
         past = cache.seen_tokens if cache is not None else 0
         if attention_mask is not None:
             attention_mask = attention_mask.to(input_ids.device)
         key_mask = _resolve_mask(attention_mask, cache, b, s)
         token_mask = key_mask[:, past:] if key_mask is not None else None
 
+        h = self._layers(input_ids, cache, token_mask, key_mask)
+        if cache is not None:
+            cache.advance(s, key_mask)
+        return h
+
+    def _layers(self, input_ids: torch.Tensor, cache: K3Cache | StaticK3Cache | None,
+                token_mask: torch.Tensor | None, key_mask: torch.Tensor | None,
+                window: MLAWindow | None = None) -> torch.Tensor:
+        """Embedding, every layer, the final mix and norm (inputs already checked)."""
         h = self.embed_tokens(input_ids)
         if token_mask is not None:
             h = h.masked_fill(~token_mask.unsqueeze(-1), 0.0)  # padding enters every layer as exact zeros
         bank = AttnResBank()
         for i, layer in enumerate(self.layers):
             state = cache.layers[i] if cache is not None else None
-            h = layer(h, bank, token_mask, key_mask, state)
+            h = layer(h, bank, token_mask, key_mask, state, window)
         h = attn_res_final(bank, h, self.output_attn_res_norm, self.output_attn_res_proj)
-        if cache is not None:
-            cache.seen_tokens = past + s
-            cache.attention_mask = key_mask
         return self.norm(h)
+
+    def decode_step(self, tokens: torch.Tensor, cache: StaticK3Cache,
+                    mla_attention: MLADecodeAttention | None = None) -> torch.Tensor:
+        """One new token per row -> hidden ``[batch, hidden]``, the cache advanced; no input check, no host sync.
+
+        Args:
+            tokens: ``[batch]`` int64, the tokens to append (every one real; the caller vouches for their range).
+            cache: a ``StaticK3Cache`` with room for one more token.
+            mla_attention: None: MLA runs the reference math over the host-known positions (the very operations
+                of ``forward`` with a ``K3Cache``: same logits to the bit on CPU), and ``seen_tokens`` advances.
+                Given: the absorbed form at the device-side ``cache.position`` over the whole ``max_len`` window
+                (the key mask hides what is not written), so the step reads no host state and a CUDA graph can
+                capture it; the host count is then the caller's to advance (``cache.note_device_step()``).
+        """
+        if not isinstance(cache, StaticK3Cache):
+            raise TypeError(f"decode_step needs a StaticK3Cache, got {type(cache).__name__}")
+        if tokens.dim() != 1 or tokens.shape[0] != cache.batch_size:
+            raise ValueError(f"decode_step: tokens {tuple(tokens.shape)}: expected [batch] = [{cache.batch_size}]")
+        ids = tokens[:, None]
+        if mla_attention is not None:
+            cache.key_mask.index_fill_(1, cache.position, True)
+            window = MLAWindow(cache.position, cache.key_mask, mla_attention)
+            h = self._layers(ids, cache, None, None, window)
+            cache.position.add_(1)
+            return h[:, 0]
+        past = cache.seen_tokens
+        # The same masks forward() would resolve: None while every token is real, else the bool key mask with
+        # this step's (real) token, whose own token mask is all True.
+        key_mask = cache.begin_host_step()
+        token_mask = key_mask[:, past:] if key_mask is not None else None
+        h = self._layers(ids, cache, token_mask, key_mask)
+        cache.end_host_step()
+        return h[:, 0]
 
 
 def _resolve_mask(attention_mask: torch.Tensor | None, cache: K3Cache | None, b: int, s: int
@@ -203,6 +249,16 @@ class KimiK3ForCausalLM(nn.Module):
         """An empty decoding cache on the model's device (latents in the model dtype)."""
         p = self.model.embed_tokens.weight
         return K3Cache(self.config, batch_size, dtype=p.dtype, device=p.device)
+
+    def init_static_cache(self, batch_size: int, max_len: int) -> StaticK3Cache:
+        """An empty preallocated cache for ``max_len`` tokens per row (prompt + new) on the model's device."""
+        p = self.model.embed_tokens.weight
+        return StaticK3Cache(self.config, batch_size, max_len, dtype=p.dtype, device=p.device)
+
+    def decode_step(self, tokens: torch.Tensor, cache: StaticK3Cache,
+                    mla_attention: MLADecodeAttention | None = None) -> torch.Tensor:
+        """``tokens [batch]`` -> next-token logits ``[batch, vocab]`` (model dtype); see ``KimiK3Model.decode_step``."""
+        return self.lm_head(self.model.decode_step(tokens, cache, mla_attention))
 
     # ---------------------------------------------------------------- random init
     @torch.no_grad()

@@ -154,7 +154,8 @@ class LatentMoE(nn.Module):
         flat_experts = experts.reshape(-1)
         order = torch.argsort(flat_experts, stable=True)  # token copies sorted by expert
         token_of_row = order // self.top_k
-        counts = torch.bincount(flat_experts, minlength=self.num_experts)
+        # Not bincount: on CUDA it reads the largest id back to the host (a sync, and no CUDA-graph capture).
+        counts = flat_experts.new_zeros(self.num_experts).scatter_add_(0, flat_experts, torch.ones_like(flat_experts))
         rows = self.experts(z[token_of_row], counts)  # [N*k, Lt]
         row_weights = weights.reshape(-1)[order].unsqueeze(-1)
         combined = torch.zeros(x.shape[0], z.shape[-1], dtype=torch.float32, device=x.device)

@@ -7,6 +7,7 @@ part may import it. One concept per module:
 - ``parallel``: ``ParallelLayout``, the one parallel layout (launcher, trainers, megatron);
 - ``rollout``: ``RolloutSettings`` (sampling, eval, the engines' sizes and sources);
 - ``colocate``: ``ColocateSettings`` (the memory hand-off between trainer and engines);
+- ``decode``: ``DecodeSettings`` (how the embedded engine decodes: cache, CUDA graphs, kernels);
 - ``train``: ``TrainingSettings``, ``OptimizerSettings``, ``GRPOSettings`` (the trainer's);
 - ``data``: ``DataSettings`` (training and eval files);
 - ``run``: ``RunSettings``, the loop's own values holding every section above;

@@ -17,7 +17,8 @@ __all__ = ["EmbeddedKind"]
 
 class EmbeddedKind(EngineKind):
     """The reference K3 generating in process, on any device: one engine per run, in training rank 0's bundle.
-    It allocates per call (nothing to give up at start), and its Ray actor takes everything with it."""
+    Its decode cache is allocated at its first generate (nothing to give up at start), and its Ray actor takes
+    everything with it."""
 
     name = "embedded"
     summary = "k3.model, any device"
