@@ -14,7 +14,8 @@
   (``k3.checkpoint.dist_metadata``). A mismatch names the field or tensor, both values and both paths.
 
 A path that does not exist is ``k3.launch.train.check_inputs``' to report; everything here is about what an
-existing path holds. All problems are returned together, one line each.
+existing path holds. All problems are returned together, one line each. The checkpoint readers load torch, so
+they are imported when a check runs: importing the launcher stays torch-free.
 """
 
 from __future__ import annotations
@@ -22,14 +23,15 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from k3.checkpoint.convert import plan_conversion
-from k3.checkpoint.dist_metadata import DistMetadata, dist_tensor_shapes, read_dist_metadata
-from k3.checkpoint.hf_inventory import HFInventory, layout_mismatches, read_hf_inventory
 from k3.checkpoint.hf_io import CheckpointError
 from k3.config import K3Config, variant
 from k3.launch.args import ResolvedConfig
+
+if TYPE_CHECKING:
+    from k3.checkpoint.dist_metadata import DistMetadata
+    from k3.checkpoint.hf_inventory import HFInventory
 
 __all__ = ["CheckpointFindings", "check_checkpoints", "config_differences", "SHOWN_DIFFERENCES"]
 
@@ -74,6 +76,9 @@ def check_checkpoints(resolved: ResolvedConfig) -> CheckpointFindings:
 
 
 def _check_hf(path: str, out: CheckpointFindings) -> HFInventory | None:
+    from k3.checkpoint.convert import plan_conversion
+    from k3.checkpoint.hf_inventory import layout_mismatches, read_hf_inventory
+
     if not (Path(path) / "config.json").is_file():
         return None  # missing: check_inputs says so
     try:
@@ -129,6 +134,8 @@ def _check_variant(hf: HFInventory, model_variant: str, out: CheckpointFindings)
 
 
 def _check_ref_load(ref_load: str, hf: HFInventory | None, hf_path: str | None, out: CheckpointFindings) -> None:
+    from k3.checkpoint.dist_metadata import read_dist_metadata
+
     try:
         meta = read_dist_metadata(ref_load)
     except CheckpointError as e:
@@ -174,6 +181,8 @@ def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
 
 
 def _tensor_differences(cfg: K3Config, meta: DistMetadata, hf_path: str | None) -> list[str]:
+    from k3.checkpoint.dist_metadata import dist_tensor_shapes
+
     expected = dist_tensor_shapes(cfg)
     out = []
     for name in expected.keys() | meta.shapes.keys():

@@ -181,7 +181,7 @@ _ENTRIES: tuple[ResolvedKey, ...] = (
     _applied("sglang_mem_fraction_static", "SGLang's static memory fraction", SERVER_ARGS, only_with=SGLANG),
     _applied("sglang_max_lora_rank", "the largest adapter rank SGLang serves", SERVER_ARGS, only_with=SGLANG),
     _applied("check_weight_update_equal", "SGLang checks the received adapters against the trainer's checksums",
-             "k3/rollout/sglang/engine.py", only_with=SGLANG),
+             "k3/rollout/sglang/engine.py", only_with=SGLANG, off=False),
     _applied("rollout_temperature", "sampling temperature of training rollouts", LOOP),
     _applied("rollout_top_p", "top-p of training rollouts", LOOP),
     _applied("eval_temperature", "sampling temperature of eval", LOOP),
