@@ -13,7 +13,7 @@ refused in one line before anything is written:
 - ``--resume`` has a checkpoint to continue from (:func:`resume_refusal`);
 - the checkpoints: what ``--hf-checkpoint`` holds (native MXFP4 or BF16, whole), whether the backend can take it,
   and whether ``--ref-load`` holds the same model (:mod:`k3.launch.checkpoint_checks`);
-- the backend fits the layout: ``--backend torch`` trains on one rank, ``--backend megatron`` needs GPUs;
+- the backend fits the layout: ``--backend torch`` trains on one rank;
 - a flag given for a backend or engine the run does not use (``--ref-load`` with ``--backend torch``,
   ``--sglang-max-total-tokens`` with the embedded engine, …: the registry's ``only_with``,
   :mod:`k3.launch.resolved_keys`) is refused, since nothing would apply it;
@@ -108,15 +108,14 @@ def unused_flags(resolved: ResolvedConfig) -> list[str]:
 
 
 def backend_problems(resolved: ResolvedConfig) -> list[str]:
-    """What the chosen trainer backend cannot run: the torch backend trains on one rank; megatron needs GPUs."""
+    """What the chosen trainer backend cannot run: the torch backend trains on one rank. (Whether this host has the
+    megatron backend's CUDA GPU is the loop's to say when the run starts: a dry run may validate a cluster's launch
+    on a machine without them.)"""
     a, layout = resolved.args, resolved.layout
     out = []
     if a.backend == "torch" and (layout.world_size or 1) > 1:
         out.append(f"--backend torch trains on one rank, but this layout has {layout.world_size} training ranks "
                    f"({a.num_nodes} node(s) × {a.num_gpus_per_node} GPUs): add --backend megatron")
-    if a.backend == "megatron" and not a.num_gpus_per_node:
-        out.append("--backend megatron needs CUDA GPUs (--num-gpus-per-node 0 is a CPU run): use --backend torch on "
-                   "CPU, or give the GPUs per node")
     return out
 
 

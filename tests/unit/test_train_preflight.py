@@ -326,10 +326,8 @@ def test_flags_left_at_their_defaults_are_not_refused(tiny_inputs, capsys):
 
 
 def test_the_backend_must_fit_the_layout():
-    mega_cpu = resolve(TrainArgs(model_variant="tiny", run_id="t", backend="megatron"))
-    assert preflight.backend_problems(mega_cpu) == [
-        "--backend megatron needs CUDA GPUs (--num-gpus-per-node 0 is a CPU run): use --backend torch on CPU, or give "
-        "the GPUs per node"]
+    # megatron's CUDA GPU is the loop's to check where the run starts (a dry run may run on a submit host)
+    assert preflight.backend_problems(resolve(TrainArgs(model_variant="tiny", run_id="t", backend="megatron"))) == []
     torch_64 = resolve(TrainArgs(model_variant="full", run_id="t", num_nodes=16, num_gpus_per_node=4,
                                  pipeline_parallel_size=8, context_parallel_size=2, rollout_tp_size=16))
     assert preflight.backend_problems(torch_64) == [
