@@ -20,6 +20,7 @@ they are imported when a check runs: importing the launcher stays torch-free.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,8 +80,12 @@ def _check_hf(path: str, out: CheckpointFindings) -> HFInventory | None:
     from k3.checkpoint.convert import plan_conversion
     from k3.checkpoint.hf_inventory import layout_mismatches, read_hf_inventory
 
-    if not (Path(path) / "config.json").is_file():
-        return None  # missing: check_inputs says so
+    config = Path(path) / "config.json"
+    try:
+        if not isinstance(json.loads(config.read_text(encoding="utf-8")), dict):
+            return None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None  # missing or not a JSON object: check_inputs / preflight.input_problems say so
     try:
         hf = read_hf_inventory(path)
     except CheckpointError as e:
