@@ -58,7 +58,8 @@ smoke: install
 smoke-4layer:
 	bash ci/smoke_4layer.sh
 
-# Submits from this machine's .venv (ray, k3-harness); DRY_RUN=1 validates the launch and submits nothing.
+# Submits from this machine's .venv (ray, k3-harness); DRY_RUN=1 validates the launch and submits nothing: the
+# flags, every path, K3_HF_CHECKPOINT the native MXFP4 release and K3_REF_LOAD its torch_dist conversion.
 acceptance-full: install
 	bash ci/acceptance_full.sh
 

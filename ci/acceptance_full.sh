@@ -25,11 +25,25 @@
 #                         skip the local existence checks; the flags are still validated here
 #   DRY_RUN=1 / --dry-run validate everything and print the resolved plan; submit nothing
 #
+# Before anything is submitted, `k3 train --dry-run` checks the launch here: the flags, every path, that
+# K3_HF_CHECKPOINT is the native MXFP4 release (whole, as its config declares) and that K3_REF_LOAD is the
+# torch_dist conversion of the same model (the stored config field by field, every tensor's shape). Every problem
+# found is listed at once.
+#
 # Exit: the verdict's (0 every criterion passed); 2 a precondition is missing (nothing was submitted).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 die() { echo "acceptance-full: $*" >&2; exit 2; }
+PROBLEMS=()
+problem() { PROBLEMS+=("$1"); }
+# Every problem at once, then stop: nothing was submitted.
+stop_on_problems() {
+  (( ${#PROBLEMS[@]} )) || return 0
+  echo "acceptance-full: ${#PROBLEMS[@]} problem(s); nothing was submitted:" >&2
+  printf '  - %s\n' "${PROBLEMS[@]}" >&2
+  exit 2
+}
 
 DRY_RUN="${DRY_RUN:-0}"
 for arg in "$@"; do
@@ -42,25 +56,30 @@ done
 [[ "$DRY_RUN" == "0" || -z "$DRY_RUN" ]] && DRY_RUN=0 || DRY_RUN=1
 
 if [[ -z "${RAY_ADDRESS:-}" && $DRY_RUN == 0 ]]; then
-  die "no Ray cluster: set RAY_ADDRESS to the job address of an existing 16-node × 4-GPU cluster (e.g.
-  RAY_ADDRESS=http://head:8265 make acceptance-full). Nothing was submitted."
+  problem "no Ray cluster: set RAY_ADDRESS to the job address of an existing 16-node × 4-GPU cluster (e.g.
+    RAY_ADDRESS=http://head:8265 make acceptance-full). Nothing was submitted."
 fi
 BIN=${BIN:-.venv/bin}
 RAY=$BIN/ray
-[[ -x $RAY ]] || RAY=$(command -v ray) || die "the 'ray' command is not installed (make install)"
-[[ -n "${K3_HF_CHECKPOINT:-}" ]] || die "set K3_HF_CHECKPOINT to the native MXFP4 checkpoint directory"
-[[ -n "${K3_REF_LOAD:-}" ]] || die "set K3_REF_LOAD to the torch_dist checkpoint of the base"
-[[ -n "${K3_DATA_DIR:-}" ]] || die "set K3_DATA_DIR to the datasets directory (k3 prepare-data)"
+# (the dry run submits nothing, so it needs no ray)
+[[ -x $RAY || $DRY_RUN == 1 ]] || RAY=$(command -v ray) || problem "the 'ray' command is not installed (make install)"
+[[ -n "${K3_HF_CHECKPOINT:-}" ]] || problem "set K3_HF_CHECKPOINT to the native MXFP4 checkpoint directory"
+[[ -n "${K3_REF_LOAD:-}" ]] || problem "set K3_REF_LOAD to the torch_dist checkpoint of the base"
+[[ -n "${K3_DATA_DIR:-}" ]] || problem "set K3_DATA_DIR to the datasets directory (k3 prepare-data)"
 if [[ "${K3_REMOTE_PATHS:-0}" != 1 ]]; then
   # The job's entrypoint runs on the head node, which is where this script is meant to run.
-  [[ -f "$K3_HF_CHECKPOINT/config.json" ]] ||
-    die "K3_HF_CHECKPOINT=$K3_HF_CHECKPOINT has no config.json (set K3_REMOTE_PATHS=1 if it exists only on the cluster)"
-  [[ -d "$K3_REF_LOAD" ]] || die "K3_REF_LOAD=$K3_REF_LOAD does not exist (\`k3 convert hf-to-dist\`)"
-  for f in dapo-math-17k/dapo-math-17k.jsonl aime-2024/aime-2024.jsonl; do
-    [[ -f "$K3_DATA_DIR/$f" ]] ||
-      die "K3_DATA_DIR=$K3_DATA_DIR has no $f: run \`k3 prepare-data --task dapo-math --data-dir $K3_DATA_DIR\`"
-  done
+  [[ -z "${K3_HF_CHECKPOINT:-}" || -f "$K3_HF_CHECKPOINT/config.json" ]] || problem \
+    "K3_HF_CHECKPOINT=$K3_HF_CHECKPOINT has no config.json (set K3_REMOTE_PATHS=1 if it exists only on the cluster)"
+  [[ -z "${K3_REF_LOAD:-}" || -d "$K3_REF_LOAD" ]] ||
+    problem "K3_REF_LOAD=$K3_REF_LOAD does not exist (\`k3 convert hf-to-dist\`)"
+  if [[ -n "${K3_DATA_DIR:-}" ]]; then
+    for f in dapo-math-17k/dapo-math-17k.jsonl aime-2024/aime-2024.jsonl; do
+      [[ -f "$K3_DATA_DIR/$f" ]] || problem \
+        "K3_DATA_DIR=$K3_DATA_DIR has no $f: run \`k3 prepare-data --task dapo-math --data-dir $K3_DATA_DIR\`"
+    done
+  fi
 fi
+stop_on_problems
 
 RUN_ID=${K3_RUN_ID:-acceptance-$(date -u +%Y%m%d-%H%M%S)}
 RUN_DIR=${K3_RUN_DIR:-runs/$RUN_ID}
@@ -108,6 +127,13 @@ cat "$PLAN_DIR/plan.txt"
 set -e
 if [[ $PLAN_RC -eq 2 ]] || { [[ $PLAN_RC -ne 0 ]] && [[ "${K3_REMOTE_PATHS:-0}" != 1 ]]; }; then
   die "k3 train --dry-run rejected the launch (exit $PLAN_RC, see above). Nothing was submitted."
+fi
+# The recipe's pairing: the native MXFP4 release for the engines, its torch_dist conversion for the trainer (the
+# dry run above has checked K3_REF_LOAD against it). A BF16 checkpoint would run the engines in BF16.
+if [[ "${K3_REMOTE_PATHS:-0}" != 1 ]] && ! grep -q '^checkpoint: --hf-checkpoint .* is native MXFP4 ' "$PLAN_DIR/plan.txt"
+then
+  die "K3_HF_CHECKPOINT=$K3_HF_CHECKPOINT is not the native MXFP4 checkpoint (see the plan above): the recipe's launch
+  gives the release as --hf-checkpoint and its torch_dist conversion as K3_REF_LOAD. Nothing was submitted."
 fi
 # The four lines the recipe page (§5.1) says to check first.
 grep -E '^ +(expert_model_parallel_size|max_tokens_per_gpu|colocate_memory_peak_device|lora_base_cpu_backup) ' \

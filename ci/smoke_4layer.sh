@@ -2,7 +2,7 @@
 # make smoke-4layer: the recipe's single-node tier. The first 4 layers of Kimi-K3 (the real 4layer checkpoint)
 # on one node with 8 GPUs: Megatron trainer TP8/EP8 and an SGLang engine TP8/EP8 colocated on the same GPUs,
 # the recipe's debug_minimal sizes (dapo-math, deterministic_random reward, 8 prompts x 2 samples, 32-token
-# responses, SGD 1e-6), then the harness's verdict against harness/spec/4layer.toml.
+# responses, lr 1e-6), then the harness's verdict against harness/spec/4layer.toml.
 #
 #   K3_HF_CHECKPOINT=/models/Kimi-K3-4layer-bf16 K3_REF_LOAD=/models/Kimi-K3-4layer-torch-dist \
 #   K3_DATA_DIR=/datasets bash ci/smoke_4layer.sh [--dry-run] [-- extra k3 train flags]
@@ -186,7 +186,7 @@ TRAIN_ARGS=(
     --mode debug_minimal --model-variant 4layer --backend megatron --rollout-engine sglang --task dapo-math
     --num-nodes 1 --num-gpus-per-node "$NEED_GPUS" --num-rollout "${K3_NUM_ROLLOUT:-10}"
     --hf-checkpoint "${K3_HF_CHECKPOINT:-}" --ref-load "${K3_REF_LOAD:-}" --data-dir "${K3_DATA_DIR:-}"
-    --save-dir "$RUN_DIR/checkpoints" --run-id "$RUN_ID"
+    --run-id "$RUN_ID"
 )
 [[ -n "${K3_SGLANG_PATH:-}" ]] && TRAIN_ARGS+=(--sglang-path "$K3_SGLANG_PATH")
 TRAIN_ARGS+=("${EXTRA[@]}")

@@ -28,3 +28,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if item.get_closest_marker("cluster") and not cluster_run:
             item.add_marker(skip_cluster)
+
+
+@pytest.fixture(scope="session")
+def checkpoint_pair(tmp_path_factory):
+    """The recipe's pairing in tiny (``tests/checkpoint_pair.py``): native MXFP4, its BF16 and torch_dist
+    conversions; made once per session (about 10 s: the torch_dist conversion runs under torchrun)."""
+    pytest.importorskip("megatron.core", reason="k3 convert hf-to-dist needs megatron-core")
+    from checkpoint_pair import make_checkpoint_pair
+
+    return make_checkpoint_pair(tmp_path_factory.mktemp("checkpoint_pair"))

@@ -21,6 +21,7 @@ from typing import Any
 
 from k3.config import variant
 from k3.launch.layout import LayoutError, derive_layout
+from k3.launch.resolved_keys import NOT_PRINTED, resolved_value
 from k3.rollout.registry import DEFAULT_ENGINE, ENGINE_NAMES, ENGINES, engine_kind
 from k3.settings.colocate import OFFLOAD_ROLLOUT_LEVELS, PEAK_DEVICES, ColocateSettings
 from k3.settings.data import DataSettings
@@ -35,6 +36,7 @@ __all__ = [
     "ResolvedConfig",
     "LaunchConfigError",
     "resolve",
+    "flag_was_given",
     "new_run_id",
     "MODES",
     "TASKS",
@@ -53,15 +55,12 @@ ENV_PREFIX = "K3_"
 _PATHS_4LAYER = {
     "hf_checkpoint": "/root/models/Kimi-K3-4layer-bf16",
     "ref_load": "/root/models/Kimi-K3-4layer-torch-dist",
-    "megatron_model_type": "kimi-k3-4layer",
 }
 _PATHS_FULL = {
     "hf_checkpoint": "/root/models/Kimi-K3/native",
     "ref_load": "/root/models/Kimi-K3/torch_dist",
-    "megatron_model_type": "kimi-k3",
 }
 _GIB = 1024**3
-_MIB = 1024**2
 
 
 class LaunchConfigError(ValueError):
@@ -91,7 +90,7 @@ class TrainArgs:
     """Every `k3 train` flag. ``None`` = resolved from --mode / --task / --model-variant (see :func:`resolve`)."""
 
     # --- run
-    mode: str = opt("debug_minimal", "debug_minimal: tiny sizes, SGD lr 1e-6; normal: the recipe's sizes, Adam",
+    mode: str = opt("debug_minimal", "debug_minimal: tiny sizes, lr 1e-6, no weight decay; normal: the recipe's sizes",
                     choices=MODES)
     run_id: str | None = opt(None, "run name: save subdir and wandb group (default: UTC time + random suffix)")
     run_dir: str | None = opt(None, "run directory: metrics.jsonl, resolved_config.*, adapters/ "
@@ -108,12 +107,9 @@ class TrainArgs:
                              f"{_PATHS_FULL['hf_checkpoint']} when left at the default; tiny: required)", group="model")
     ref_load: str | None = opt(_PATHS_4LAYER["ref_load"], "torch_dist (DCP) checkpoint of the base for the Megatron "
                         f"trainer (full: switched to {_PATHS_FULL['ref_load']})", group="model")
-    megatron_model_type: str = opt(_PATHS_4LAYER["megatron_model_type"], "model type of the Megatron model "
-                                   "args (full: switched to kimi-k3)", group="model")
     backend: str = opt("torch", "trainer backend: torch (plain PyTorch) or megatron (megatron-core; needs CUDA, "
                        "one training rank for now)",
                        choices=BACKENDS, group="model", ours=True)
-    megatron_path: str = opt("/root/Megatron-LM", "Megatron-LM source tree of the recipe image", group="model")
     # --- cluster
     num_nodes: int = opt(help="training nodes ($SLURM_JOB_NUM_NODES when set, else 1)", group="cluster",
                          factory=_default_num_nodes)
@@ -150,8 +146,6 @@ class TrainArgs:
                                            "normal 8)", group="rollout")
     rollout_max_response_len: int | None = opt(None, "max response tokens, also for eval (gsm8k 256; else "
                                                "debug_minimal 32, normal 16384)", group="rollout")
-    save_debug_rollout_data: str | None = opt(None, "write every rollout's samples to this path",
-                                              group="rollout")
     offload_rollout_level: list[str] = opt(help="engine memory released while the trainer runs: kv_cache, "
                                            "weight", group="rollout", factory=lambda: ["kv_cache", "weight"],
                                            choices=OFFLOAD_ROLLOUT_LEVELS, ours=True)
@@ -184,19 +178,15 @@ class TrainArgs:
     # --- training
     global_batch_size: int | None = opt(None, "samples per optimizer step (debug_minimal 16, normal 256)",
                                         group="training")
-    lr: float = opt(1e-5, "Adam learning rate (normal mode; debug_minimal uses SGD at 1e-6)", group="training")
+    lr: float = opt(1e-5, "Adam learning rate (normal mode; debug_minimal uses 1e-6)", group="training")
     max_tokens_per_gpu: int | None = opt(None, "token budget of one micro-batch per GPU (4layer 512, full 8192)",
                                          group="training")
-    save_dir: str = opt("/personal/checkpoints", "Megatron checkpoints go to <save-dir>/<run-id>",
-                        group="training")
     save_interval: int = opt(50, "save a checkpoint every N rollouts (and after the last)", group="training",
                              ours=True)
     # --- sync and memory
     colocate_memory_peak_device: str = opt("gpu", "where trainer and engine copies briefly coexist at a sync: "
                                            "gpu (onload first) or cpu (offload first)", choices=PEAK_DEVICES,
                                            group="sync", ours=True)
-    update_weight_buffer_size: int | None = opt(None, "bytes per base-weight transfer bucket (full 256MiB, "
-                                                "4layer 2GiB)", group="sync")
     lora_transfer_buffer: bool = opt(False, "export every adapter chunk into one persistent buffer that the "
                                      "engine maps once (the recipe's IPC transfer-buffer variant) instead of a "
                                      "fresh bucket per chunk", group="sync", ours=True)
@@ -209,7 +199,6 @@ class TrainArgs:
     # --- logging
     enable_wandb: bool = opt(False, "log metrics to Weights & Biases (project miles-run_kimi_k3_lora)",
                              group="logging")
-    extra_args: str = opt("", "extra trainer arguments, appended verbatim (megatron backend)", group="logging")
 
 
 @dataclass(frozen=True)
@@ -232,16 +221,24 @@ class ResolvedConfig:
     SECTIONS = ("layout", "optimizer", "grpo", "rollout", "data", "colocate", "training")
 
     def to_dict(self) -> dict[str, Any]:
-        """Flat ``{name: value}`` of the flags and every section (JSON-ready: tuples as lists), plus ``env``."""
+        """Flat ``{name: value}`` of the flags and every section (JSON-ready: tuples as lists), plus ``env``.
+
+        Only what is in effect (``k3.launch.resolved_keys``): the settings fields nothing applies
+        (``NOT_PRINTED``) are left out, and a key applied only by another backend or engine than this run's
+        (``only_with``) holds its off value (``recompute_granularity None`` under ``--backend torch``).
+        """
         out: dict[str, Any] = {}
         for section in (self.args, *(getattr(self.settings, name) for name in self.SECTIONS)):
             for key, value in dataclasses.asdict(section).items():
+                if key in NOT_PRINTED:
+                    continue
                 value = list(value) if isinstance(value, tuple) else value
                 # A name may appear in two sections (the flag and the layout both hold context_parallel_size)
                 # only with one value.
                 if key in out and out[key] != value:
                     raise AssertionError(f"resolved key {key!r} differs between sections: {out[key]!r} vs {value!r}")
                 out[key] = value
+        out = {key: resolved_value(key, value, out) for key, value in out.items()}
         out["env"] = dict(self.env)
         return out
 
@@ -280,6 +277,16 @@ class ResolvedConfig:
     @property
     def uses_gpus(self) -> bool:
         return self.settings.uses_gpus
+
+
+def flag_was_given(args: TrainArgs, name: str) -> bool:
+    """Whether the resolved ``args`` hold a value for flag ``name`` other than the one it gets when not given (the
+    field's default; for the recipe's checkpoint paths, either variant's default or none)."""
+    value = getattr(args, name)
+    if name in _PATHS_4LAYER:
+        return value not in (None, _PATHS_4LAYER[name], _PATHS_FULL[name])
+    default = next(f for f in dataclasses.fields(TrainArgs) if f.name == name).default
+    return value != default
 
 
 def new_run_id() -> str:
@@ -367,14 +374,10 @@ def resolve(args: TrainArgs) -> ResolvedConfig:
         for name in ("hf_checkpoint", "ref_load"):
             if getattr(a, name) == _PATHS_4LAYER[name]:
                 setattr(a, name, None)
-        if a.megatron_model_type == _PATHS_4LAYER["megatron_model_type"]:
-            a.megatron_model_type = "kimi-k3-tiny"
     if a.num_gpus_per_node is None:
         a.num_gpus_per_node = 0 if a.model_variant == "tiny" else 8
     if a.max_tokens_per_gpu is None:
         a.max_tokens_per_gpu = 8192 if full else 512
-    if a.update_weight_buffer_size is None:
-        a.update_weight_buffer_size = 256 * _MIB if full else 2 * _GIB
 
     # Mode and task.
     if a.reward_model is None:
@@ -386,7 +389,7 @@ def resolve(args: TrainArgs) -> ResolvedConfig:
     if a.rollout_max_response_len is None:
         a.rollout_max_response_len = 256 if a.task == "gsm8k" else (32 if debug else 16384)
     if debug and a.lr != TrainArgs.lr:
-        notes.append(f"--lr {a.lr} is ignored in --mode debug_minimal (SGD at lr 1e-6); use --mode normal for Adam")
+        notes.append(f"--lr {a.lr} is ignored in --mode debug_minimal (lr 1e-6); use --mode normal")
     if debug:
         a.lr = 1e-6
     if a.run_id is None:
@@ -449,7 +452,7 @@ def resolve(args: TrainArgs) -> ResolvedConfig:
         enable_wandb=a.enable_wandb,
         layout=layout,
         lora=LoRAConfig(rank=a.lora_rank, alpha=float(a.lora_alpha), dropout=a.lora_dropout,
-                        target_modules=tuple(a.target_modules)),
+                        target_modules=tuple(a.target_modules), experts_shared_outer=a.experts_shared_outer_loras),
         optimizer=_optimizer(a),
         grpo=GRPOSettings(),
         rollout=rollout,
@@ -472,7 +475,7 @@ def resolve(args: TrainArgs) -> ResolvedConfig:
             recompute_num_layers=1,
             # The recipe turns Megatron's NaN check off for 4layer only.
             check_for_nan_in_loss_and_grad=a.model_variant != "4layer",
-            save=str(Path(a.save_dir) / a.run_id),
+            save=str(Path(a.run_dir) / "adapters"),  # where k3.rl.resume writes the adapter checkpoints
             backend=a.backend,
             expert_lora_kernel=a.expert_lora_kernel,
             lora_transfer_buffer=a.lora_transfer_buffer,
@@ -487,7 +490,7 @@ def _validate_values(a: TrainArgs) -> None:
     _check_positive(a, ["num_rollout", "rollout_batch_size", "n_samples_per_prompt", "rollout_max_response_len",
                         "global_batch_size", "lr", "max_tokens_per_gpu", "rollout_max_concurrency",
                         "sglang_max_total_tokens", "eval_interval", "lora_rank", "lora_alpha",
-                        "distributed_timeout_minutes", "save_interval", "update_weight_buffer_size"])
+                        "distributed_timeout_minutes", "save_interval"])
     if not 0.0 <= a.lora_dropout < 1.0:
         raise _fail(f"--lora-dropout {a.lora_dropout}: must be in [0, 1)")
     if a.seed < 0:
@@ -539,8 +542,9 @@ def _validate_batches(a: TrainArgs, layout: ParallelLayout) -> None:
 def _optimizer(a: TrainArgs) -> OptimizerSettings:
     megatron = a.backend == "megatron"
     if a.mode == "debug_minimal":
-        # Plain SGD at momentum 0: TE's fused SGD would allocate a momentum buffer even then.
-        return OptimizerSettings("sgd", 0.0, 0.9, 0.98, 0.0, "constant", megatron, False, 0.0, lr=a.lr)
+        # The recipe's debug_minimal runs SGD (momentum 0); both trainers here build Adam (k3.rl.grpo.build_optimizer,
+        # k3.megatron.training), so Adam is what is printed. weight decay 0 and lr 1e-6 are the recipe's and applied.
+        return OptimizerSettings("adam", 0.0, 0.9, 0.98, 0.0, "constant", megatron, False, 0.0, lr=a.lr)
     return OptimizerSettings("adam", 0.1, 0.9, 0.98, 0.0, "constant", megatron, megatron, 0.8 if megatron else 0.0,
                              lr=a.lr)
 

@@ -16,8 +16,8 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable
 
-from k3.checkpoint.hf_io import parse_size
 from k3.launch.args import ENV_PREFIX, LaunchConfigError, TrainArgs
+from k3.launch.refused_flags import REFUSED_FLAGS, refusal
 
 __all__ = ["build_parser", "parse_train_args", "env_var_name", "flag_name"]
 
@@ -31,10 +31,9 @@ GROUP_TITLES = {
     "lora": "LoRA",
     "training": "training",
     "sync": "adapter sync and memory",
-    "logging": "logging and pass-through",
+    "logging": "logging",
+    "refused": "refused: flags of the recipe's launcher that k3 cannot honour (each says why)",
 }
-# Byte sizes that also accept units (256MiB, 2GiB).
-SIZE_FIELDS = {"update_weight_buffer_size"}
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -56,8 +55,6 @@ def _field_kind(name: str, annotation: Any) -> tuple[str, Callable[[str], Any], 
         return "bool", _parse_bool, optional
     if typing.get_origin(base) is list:
         return "list", str, optional
-    if name in SIZE_FIELDS:
-        return "scalar", _parse_size, optional
     if base is float:
         return "scalar", _parse_finite_float, optional
     return "scalar", base, optional
@@ -83,13 +80,6 @@ def _parse_finite_float(text: str) -> float:
     return value
 
 
-def _parse_size(text: str) -> int:
-    try:
-        return parse_size(int(text) if text.strip().isdigit() else text)
-    except ValueError as e:  # argparse prints an ArgumentTypeError's own message
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def _from_env(name: str, text: str, kind: str, convert: Callable[[str], Any], optional: bool) -> Any:
     var = env_var_name(name)
     if optional and text.strip().lower() in {"", "none"}:
@@ -104,7 +94,7 @@ def _from_env(name: str, text: str, kind: str, convert: Callable[[str], Any], op
 
 
 _KIND_WORDS = {int: "an integer", float: "a number", _parse_finite_float: "a finite number", str: "a string",
-               _parse_bool: "a boolean", _parse_size: "a size"}
+               _parse_bool: "a boolean"}
 
 
 def _shown(value: Any) -> str:
@@ -113,6 +103,13 @@ def _shown(value: Any) -> str:
     if isinstance(value, list):
         return " ".join(map(str, value))
     return str(value)
+
+
+class _Refuse(argparse.Action):
+    """A flag k3 cannot honour (:data:`~k3.launch.refused_flags.REFUSED_FLAGS`): stop at once with its reason."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        parser.error(refusal(self.dest))
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -163,11 +160,18 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         if meta.get("choices"):  # for a list, each value is checked
             kwargs.update(choices=meta["choices"], metavar="{" + ",".join(meta["choices"]) + "}")
         group.add_argument(flag_name(f.name), **kwargs)
+    refused = parser.add_argument_group(GROUP_TITLES["refused"])
+    for name, why in REFUSED_FLAGS.items():
+        if env_var_name(name) in environ:
+            raise LaunchConfigError(f"{env_var_name(name)} is set, but {refusal(name)}; unset it")
+        refused.add_argument(flag_name(name), dest=name, nargs="*", metavar="VALUE", action=_Refuse,
+                             default=argparse.SUPPRESS,
+                             help=f"not supported: {why}".replace("%", "%%"))
     return parser
 
 
 def _metavar(convert: Callable[[str], Any]) -> str:
-    return {int: "N", _parse_finite_float: "X", _parse_size: "BYTES"}.get(convert, "STR")
+    return {int: "N", _parse_finite_float: "X"}.get(convert, "STR")
 
 
 def parse_train_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> TrainArgs:

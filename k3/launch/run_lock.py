@@ -75,7 +75,7 @@ def holder_of(run_dir: str | Path) -> str | None:
     path = Path(run_dir) / LOCK_NAME
     try:
         fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # no lock there (a file on the way: no directory either)
         return None
     try:
         try:

@@ -69,7 +69,10 @@ def main(argv: Sequence[str]) -> int:
         return 1
     print_args_table(resolved)
 
-    problems = check_inputs(resolved) + preflight.input_problems(resolved)
+    checks = preflight.run_checks(resolved)
+    problems = check_inputs(resolved) + checks.problems
+    for note in checks.notes:
+        print(f"note: {note}")
     if args.dry_run:
         if not args.resume:
             try:
@@ -78,6 +81,8 @@ def main(argv: Sequence[str]) -> int:
                 problems.append(str(e))
         # What the run would write as resolved_config.txt (scripts grep its lines; nothing is written).
         print(format_argument_dump({k: v for k, v in resolved.to_dict().items() if k != "env"}), end="")
+        for fact in checks.facts:  # what each checkpoint is and who loads it
+            print(fact)
         for problem in problems:
             print(f"k3 train: {problem}", file=sys.stderr)
         print("dry run: " + ("configuration valid, inputs present" if not problems else

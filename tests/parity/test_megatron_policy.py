@@ -491,15 +491,18 @@ def test_k3_train_backend_megatron_without_cuda_stops_at_once_naming_backend_tor
     from k3.launch.train import main as train_main
     from k3.rl.data.arith import write_arith_dataset
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    base = tmp_path / "base"
-    base.mkdir()
+    from checkpoint_pair import write_dist_of_shapes
+    from k3.checkpoint.synth import write_synthetic_checkpoint
     from k3.config import variant
 
-    (base / "config.json").write_text(json.dumps(variant("tiny").replace(quantization_config=None).to_hf_dict()))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    # inputs the preflight accepts (a BF16 checkpoint and a torch_dist of its shapes): only the missing GPU stops it
+    tiny = variant("tiny").replace(quantization_config=None)
+    base = write_synthetic_checkpoint(tiny, tmp_path / "base", "bf16", seed=0, progress=False)
+    dcp = write_dist_of_shapes(tmp_path / "dcp", tiny)
     write_arith_dataset(tmp_path / "data" / "arith", n_train=8, n_eval=2, seed=0)
     run = tmp_path / "run"
-    code = train_main([*LOOP_ARGS, "--hf-checkpoint", str(base), "--ref-load", str(tmp_path), "--data-dir",
+    code = train_main([*LOOP_ARGS, "--hf-checkpoint", str(base), "--ref-load", str(dcp), "--data-dir",
                        str(tmp_path / "data"), "--run-dir", str(run)])
     err = capsys.readouterr().err
     assert code == 1

@@ -94,9 +94,11 @@ def test_to_dict_holds_every_flag_and_section():
     d = resolve(TrainArgs(run_id="t")).to_dict()
     for f in dataclasses.fields(TrainArgs):
         assert f.name in d, f.name
-    for key in ("tensor_model_parallel_size", "eps_clip_high", "prompt_data", "train_memory_margin_bytes",
-                "num_steps_per_rollout", "optimizer", "rollout_temperature", "env"):
+    for key in ("tensor_model_parallel_size", "eps_clip_high", "prompt_data", "num_steps_per_rollout", "optimizer",
+                "rollout_temperature", "env"):
         assert key in d
+    # Settings fields nothing applies are left out (k3.launch.resolved_keys.NOT_PRINTED).
+    assert "train_memory_margin_bytes" not in d and "sgd_momentum" not in d
     # An even split passes no first/last sizes.
     assert d["decoder_first_pipeline_num_layers"] is None and d["decoder_last_pipeline_num_layers"] is None
 
@@ -112,14 +114,14 @@ def test_layout_summary():
 def test_args_table_prints_every_flag():
     from rich.console import Console
 
-    resolved = resolve(TrainArgs(run_id="t", extra_args="[not markup]", lr=3e-5))
+    resolved = resolve(TrainArgs(run_id="t", extra_env_vars="A='[not markup]'", lr=3e-5))
     console = Console(file=io.StringIO(), width=200, record=True)
     print_args_table(resolved, console)
     text = console.export_text()
     assert "Argument" in text and "Value" in text
     for f in dataclasses.fields(TrainArgs):
         assert f.name in text, f.name
-    assert re.search(r"│ extra_args\s+│ \[not markup\]", text)
+    assert re.search(r"│ extra_env_vars\s+│ A='\[not markup\]'", text)
     assert "layout: TP8 × CP1 × PP1 × DP1 = 8 GPU ranks, EP8, ETP1" in text
     assert "note: --lr 3e-05 is ignored in --mode debug_minimal" in text
 
@@ -127,10 +129,12 @@ def test_args_table_prints_every_flag():
 # --------------------------------------------------------------------------- the `k3 train` command
 @pytest.fixture
 def tiny_inputs(tmp_path):
-    """A tiny run's inputs: a checkpoint dir with config.json and the dapo-math / aime files."""
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    (ckpt / "config.json").write_text("{}")
+    """A tiny run's inputs: a tiny BF16 checkpoint and the dapo-math / aime files."""
+    from k3.checkpoint.synth import write_synthetic_checkpoint
+    from k3.config import variant
+
+    # the tiny BF16 checkpoint in the released layout: the dry run reads its config and shard headers
+    ckpt = write_synthetic_checkpoint(variant("tiny"), tmp_path / "ckpt", "bf16", seed=0, progress=False)
     data = tmp_path / "data"
     for rel in ("dapo-math-17k/dapo-math-17k.jsonl", "aime-2024/aime-2024.jsonl"):
         (data / rel).parent.mkdir(parents=True)

@@ -2,6 +2,9 @@
 holds this machine's paths) of a default tiny, a default full and a full sglang/megatron resolve are byte-identical
 to the golden copies under ``tests/fixtures/resolved_config/``, taken before the run settings moved to
 ``k3.settings``. The harness and the recipe's health check read these keys: a settings refactor must not move one.
+Retaken once since (issue #22): the keys nothing applied left the dump (refused flags, ``NOT_PRINTED``), the
+optimizer prints ``adam`` in debug_minimal too (what both trainers build), ``save`` is ``<run_dir>/adapters``, and a
+key only another backend or engine applies prints its off value (``k3.launch.resolved_keys``).
 
 The ``LD_PRELOAD`` shim is stubbed (resolve builds it where a GPU run asks for it; whether a C compiler is there
 would otherwise decide ``ipc_unlink_shim``), and ``SLURM_JOB_NUM_NODES`` is unset (the default of --num-nodes).

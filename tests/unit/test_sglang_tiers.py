@@ -87,7 +87,9 @@ def test_acceptance_full_checks_the_paths_it_is_given(inputs, tmp_path):
     assert out.returncode == 2 and "K3_REF_LOAD=/nope does not exist" in out.stderr
 
 
-def test_acceptance_full_dry_run_validates_the_recipe_launch(inputs, tmp_path):
+def test_acceptance_full_dry_run_validates_the_recipe_launch(checkpoint_pair, inputs, tmp_path):
+    # The recipe's pairing: the native MXFP4 checkpoint and its torch_dist conversion (the dry run reads both).
+    inputs = {**inputs, "K3_HF_CHECKPOINT": str(checkpoint_pair.native), "K3_REF_LOAD": str(checkpoint_pair.dcp)}
     run = tmp_path / "acceptance"
     out = _script("acceptance_full.sh", "--dry-run", K3_RUN_DIR=str(run), K3_SGLANG_PATH=str(FAKE_SGLANG),
                   **inputs)

@@ -28,10 +28,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture
 def tiny_inputs(tmp_path):
-    """A tiny run's inputs: a checkpoint dir with config.json and the dapo-math / aime files."""
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    (ckpt / "config.json").write_text("{}")
+    """A tiny run's inputs: a tiny BF16 checkpoint and the dapo-math / aime files."""
+    from k3.checkpoint.synth import write_synthetic_checkpoint
+    from k3.config import variant
+
+    # the tiny BF16 checkpoint in the released layout: the dry run reads its config and shard headers
+    ckpt = write_synthetic_checkpoint(variant("tiny"), tmp_path / "ckpt", "bf16", seed=0, progress=False)
     data = tmp_path / "data"
     for rel in ("dapo-math-17k/dapo-math-17k.jsonl", "aime-2024/aime-2024.jsonl"):
         (data / rel).parent.mkdir(parents=True)
@@ -291,3 +293,58 @@ def test_the_lock_is_exclusive_in_one_process_and_released(tmp_path):
     assert not lock.held and holder_of(tmp_path / "run") is None
     assert holder_of(tmp_path / "never") is None and not (tmp_path / "never").exists()
 
+
+
+# --------------------------------------------------------------------------- flags nothing would apply
+@pytest.mark.parametrize("extra, message", [
+    (["--ref-load", "/models/dcp"], "--ref-load /models/dcp is applied only with --backend megatron (this run: "
+                                    "--backend torch): add --backend megatron, or drop --ref-load"),
+    (["--sglang-max-total-tokens", "65536"], "--sglang-max-total-tokens 65536 is applied only with --rollout-engine "
+                                             "sglang (this run: --rollout-engine embedded): add --rollout-engine "
+                                             "sglang, or drop --sglang-max-total-tokens"),
+    (["--check-weight-update-equal"], "--check-weight-update-equal True is applied only with --rollout-engine sglang"),
+    (["--sglang-path", "/sgl"], "--sglang-path /sgl is applied only with --rollout-engine sglang"),
+    (["--output-dir", "/dumps"], "--output-dir /dumps is applied only with --cuda-core-dump (this run: no "
+                                 "--cuda-core-dump): add --cuda-core-dump, or drop --output-dir"),
+])
+def test_a_flag_for_a_part_the_run_does_not_start_is_refused(tiny_inputs, fake_loop, capsys, extra, message):
+    argv, run_dir = tiny_inputs
+    assert train_cmd.main(argv + extra + ["--dry-run"]) == 1
+    assert f"k3 train: {message}" in capsys.readouterr().err
+    assert train_cmd.main(argv + extra) == 2
+    assert message in capsys.readouterr().err
+    assert not run_dir.exists() and fake_loop[1] == []
+
+
+def test_flags_left_at_their_defaults_are_not_refused(tiny_inputs, capsys):
+    argv, _ = tiny_inputs
+    resolved = resolve(train_cmd.parse_train_args(argv, environ={}))
+    assert preflight.unused_flags(resolved) == []
+    # the dump prints them off: nothing would apply them
+    values = resolved.to_dict()
+    assert (values["ref_load"], values["sglang_path"], values["output_dir"]) == (None, None, None)
+
+
+def test_the_backend_must_fit_the_layout():
+    # megatron's CUDA GPU is the loop's to check where the run starts (a dry run may run on a submit host)
+    assert preflight.backend_problems(resolve(TrainArgs(model_variant="tiny", run_id="t", backend="megatron"))) == []
+    torch_64 = resolve(TrainArgs(model_variant="full", run_id="t", num_nodes=16, num_gpus_per_node=4,
+                                 pipeline_parallel_size=8, context_parallel_size=2, rollout_tp_size=16))
+    assert preflight.backend_problems(torch_64) == [
+        "--backend torch trains on one rank, but this layout has 64 training ranks (16 node(s) × 4 GPUs): add "
+        "--backend megatron"]
+    assert preflight.backend_problems(resolve(TrainArgs(model_variant="tiny", run_id="t"))) == []
+
+
+def test_a_run_dir_that_cannot_be_made_is_named(tmp_path):
+    (tmp_path / "file").write_text("")
+    assert preflight.run_dir_problem(tmp_path / "file" / "run") == (
+        f"--run-dir {tmp_path / 'file' / 'run'}: {tmp_path / 'file'} is not a directory, so the run directory cannot "
+        "be made there")
+    assert preflight.run_dir_problem(tmp_path / "a" / "b") is None and not (tmp_path / "a").exists()
+    if os.geteuid() != 0:  # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        assert "cannot be created: " in preflight.run_dir_problem(locked / "run")
+    # The lock probe of a dry run reads through the same path without tripping on the file.
+    assert holder_of(tmp_path / "file" / "run") is None
