@@ -129,7 +129,8 @@ def record_problems(wheel: Path) -> list[str]:
                 continue
             data = zf.read(name)
             if len(row) < 3 or row[1] != _record_hash(data) or row[2] != str(len(data)):
-                problems.append(f"{name}: RECORD says {','.join(row[1:])}, the file is {_record_hash(data)},{len(data)}")
+                problems.append(f"{name}: RECORD says {','.join(row[1:])}, the file is "
+                                f"{_record_hash(data)},{len(data)}")
         for name in sorted(set(rows) - set(names)):
             problems.append(f"{name}: in RECORD, not in the wheel")
     return problems

@@ -200,13 +200,11 @@ class TrainArgs:
     lora_transfer_buffer: bool = opt(False, "export every adapter chunk into one persistent buffer that the "
                                      "engine maps once (the recipe's IPC transfer-buffer variant) instead of a "
                                      "fresh bucket per chunk", group="sync", ours=True)
-    gpu_memory_fraction_per_actor: float | None = opt(None, "share of its GPU each actor's CUDA allocator may "
-                                                      "reserve (0 < X <= 1; every trainer rank and the embedded engine "
-                                                      "call torch.cuda.set_per_process_memory_fraction at start, so an "
-                                                      "actor that allocates past it fails with an out-of-memory error); "
-                                                      "a per-process cap, not a limit on the sum of the actors on one "
-                                                      "GPU; GPU runs with the embedded engine only (default: no cap)",
-                                                      group="sync", ours=True)
+    gpu_memory_fraction_per_actor: float | None = opt(
+        None, "share of its GPU each actor's CUDA allocator may reserve (0 < X <= 1; every trainer rank and the "
+        "embedded engine call torch.cuda.set_per_process_memory_fraction at start, so an actor that allocates past "
+        "it fails with an out-of-memory error); a per-process cap, not a limit on the sum of the actors on one GPU; "
+        "GPU runs with the embedded engine only (default: no cap)", group="sync", ours=True)
     check_weight_update_equal: bool = opt(False, "check the engine's weights equal the trainer's after the "
                                           "first sync", group="sync")
     ipc_unlink_shim: bool | None = opt(None, "LD_PRELOAD the shm_unlink shim in every worker, so an already "
