@@ -49,7 +49,7 @@
 # SMOKE_GPU_DEADLINE_S (570); SMOKE_GPU_NO_DANCE=1: the same run without the trainer's sleep and the engine's
 # release (--no-offload-train, K3_OFFLOAD_ROLLOUT_LEVEL="", --no-lora-base-cpu-backup), to record that it runs out
 # of memory under the same budget; OUT (runs/smoke-gpu): where the log, verdict.json, summary.md, report.html,
-# metrics.jsonl and resolved_config.txt go (the run itself is $OUT/run, or SMOKE_GPU_RUN_DIR).
+# metrics.jsonl and resolved_config.txt go (6 files; the run itself is $SMOKE_GPU_WORK/run, or SMOKE_GPU_RUN_DIR).
 #
 # Exit: 0 every criterion of the gpu tier passed; 1 a criterion failed; 3 something PENDING or MISSING; 2 a
 # precondition is missing (nothing was started); otherwise the failing step's exit code.
@@ -101,7 +101,8 @@ RESPONSE_LEN=${SMOKE_GPU_RESPONSE_LEN:-512}
 WORK=${SMOKE_GPU_WORK:-/tmp/k3-smoke-gpu}
 DEADLINE=${SMOKE_GPU_DEADLINE_S:-570}
 NO_DANCE=${SMOKE_GPU_NO_DANCE:-0}
-RUN=${SMOKE_GPU_RUN_DIR:-$OUT/run}
+# Not under $OUT: a device call brings back 8 files of it, and the run holds more (adapters, tensorboard, lock).
+RUN=${SMOKE_GPU_RUN_DIR:-$WORK/run}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # A step that runs over its limit gets SIGABRT: with PYTHONFAULTHANDLER every thread's Python stack is printed.
 export PYTHONFAULTHANDLER=1 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
@@ -112,13 +113,13 @@ echo "smoke-gpu: $PY: $cuda_line"
 echo "smoke-gpu: 4layer width, $EXPERTS routed experts, cap $FRACTION per actor, $ROLLOUTS rollouts × 64 × $RESPONSE_LEN tokens$([[ $NO_DANCE == 1 ]] && echo ', WITHOUT the dance (expected: out of memory)')"
 
 elapsed() { echo $(( $(date +%s) - T0 )); }
-step() {  # step NAME TIMEOUT_S CMD...: run with a timeout; print its time and exit code
+step() {  # step NAME TIMEOUT_S CMD...: run with a timeout (signal STEP_SIGNAL); print its time and exit code
     local name=$1 limit=$2
     shift 2
     echo
     echo "== $name (timeout ${limit}s, at $(elapsed)s)"
     local t=$(date +%s)
-    timeout --signal=ABRT --kill-after=10 "$limit" "$@"
+    timeout --signal="${STEP_SIGNAL:-ABRT}" --kill-after=20 "$limit" "$@"
     local rc=$?
     echo "== $name: exit $rc in $(( $(date +%s) - t ))s"
     return $rc
@@ -239,7 +240,10 @@ limit=$(( DEADLINE - $(elapsed) - 30 ))
 (( limit >= 60 )) || fail "only $limit s left of SMOKE_GPU_DEADLINE_S=$DEADLINE for the training run" 2
 echo "smoke-gpu: training into $RUN (limit ${limit}s; watch it live with \`$PY -m harness.cli watch $RUN --tier gpu\`)"
 train_rc=0
-step "k3 train ($ROLLOUTS rollouts)" "$limit" "${K3[@]}" train "${TRAIN_ARGS[@]}" --run-dir "$RUN" || train_rc=$?
+# TERM, not ABRT: k3 train's placement stops its Ray actors on SIGTERM (the run's status says failed).
+STEP_SIGNAL=TERM step "k3 train ($ROLLOUTS rollouts)" "$limit" "${K3[@]}" train "${TRAIN_ARGS[@]}" --run-dir "$RUN" ||
+    train_rc=$?
+(( train_rc == 124 )) && echo "smoke-gpu: the training run reached its ${limit}s limit and was stopped"
 cleanup
 if grep -qE "OutOfMemoryError|CUDA out of memory" "$OUT/smoke_gpu.log"; then
     echo "smoke-gpu: out of memory: $(grep -m1 -oE "(OutOfMemoryError|CUDA out of memory)[^\"]{0,200}" "$OUT/smoke_gpu.log")"
@@ -249,11 +253,10 @@ if [[ ! -f "$RUN/resolved_config.json" ]]; then
     fail "$RUN has no resolved_config.json: the run never started, nothing to judge" "$(( train_rc ? train_rc : 2 ))"
 fi
 check_rc=0
-timeout 60 "$PY" -m harness.cli check "$RUN" --tier gpu --finished --json "$OUT/verdict.json" \
-    --summary "$OUT/summary.md" || check_rc=$?
-timeout 60 "$PY" -m harness.cli report "$RUN" --tier gpu --finished --out "$OUT/report.html" >/dev/null ||
-    true  # the report mirrors the verdict's exit code; the verdict above decides
+timeout 60 "$PY" -m harness.cli check "$RUN" --tier gpu --finished --json "$OUT/verdict.json" || check_rc=$?
+timeout 60 "$PY" -m harness.cli report "$RUN" --tier gpu --finished --out "$OUT/report.html" \
+    --markdown "$OUT/summary.md" >/dev/null || true  # it mirrors the verdict's exit code; the verdict above decides
 cp "$RUN/metrics.jsonl" "$RUN/resolved_config.txt" "$OUT/" 2>/dev/null
-echo "smoke-gpu: $(elapsed)s; k3 train exit $train_rc; verdict exit $check_rc; $OUT: verdict.json summary.md report.html metrics.jsonl smoke_gpu.log"
+echo "smoke-gpu: $(elapsed)s; k3 train exit $train_rc; verdict exit $check_rc; in $OUT: verdict.json summary.md report.html metrics.jsonl resolved_config.txt smoke_gpu.log"
 if (( check_rc == 0 && train_rc != 0 )); then exit "$train_rc"; fi
 exit "$check_rc"

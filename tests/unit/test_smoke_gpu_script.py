@@ -123,10 +123,12 @@ def test_the_script_judges_by_the_gpu_tier_and_writes_what_comes_back():
     text = SCRIPT.read_text()
     assert "harness.cli check \"$RUN\" --tier gpu --finished --json \"$OUT/verdict.json\"" in text
     assert "harness.cli report \"$RUN\" --tier gpu --finished --out \"$OUT/report.html\"" in text
+    assert '--markdown "$OUT/summary.md"' in text
     # the device brings back at most 8 files of $OUT, 2 folders deep
     written = set(re.findall(r'\$OUT/([\w.]+)', text)) | {"metrics.jsonl", "resolved_config.txt"}
     assert written == {"smoke_gpu.log", "verdict.json", "summary.md", "report.html", "metrics.jsonl",
-                       "resolved_config.txt", "run"}
+                       "resolved_config.txt"}
+    assert "RUN=${SMOKE_GPU_RUN_DIR:-$WORK/run}" in text  # the run's own many files stay out of $OUT
     assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
 
 
