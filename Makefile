@@ -7,12 +7,13 @@ PYTEST    := $(BIN)/python -m pytest
 export OMP_NUM_THREADS ?= 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install test test-interpret test-gpu smoke smoke-4layer acceptance-full bench clean help
+.PHONY: install test test-interpret test-gpu smoke smoke-gpu smoke-4layer acceptance-full bench clean help
 
 help:
 	@echo "make smoke            tiny K3 end to end on CPU: synth MXFP4 ckpt -> BF16 -> LoRA GRPO -> harness verdict"
 	@echo "make test             unit + parity tests (CPU); GPU/cluster tests skip without hardware"
 	@echo "make test-interpret   the Triton kernels' tests on the CPU under Triton's interpreter (own venv)"
+	@echo "make smoke-gpu        one CUDA GPU: 4layer width, trainer asleep / engine released under a memory cap"
 	@echo "make smoke-4layer     one 8-GPU node: 4layer K3 recipe, judged by the harness"
 	@echo "make acceptance-full  16x4 GPUs on an existing Ray cluster (RAY_ADDRESS): launch, watch, check, report"
 
@@ -52,6 +53,11 @@ test-gpu: install
 
 smoke: install
 	$(BIN)/python -m k3.launch.smoke --run-dir runs/smoke
+
+# No `install`: the script runs on the GPU host's own python (K3_PYTHON, else the first one whose torch sees CUDA),
+# with the wheels of `python3 ci/prepare_gpu_wheels.py` from .whl/ when there. Without CUDA: one line, exit 2.
+smoke-gpu:
+	@bash ci/smoke_gpu.sh
 
 # No `install`: the script runs on the GPU node's own python (K3_PYTHON, else the first one whose torch sees CUDA),
 # not on the CPU .venv. DRY_RUN=1 validates and prints the plan only.

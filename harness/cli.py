@@ -29,7 +29,8 @@ app = typer.Typer(
 
 RunArg = Annotated[Path, typer.Argument(help="run directory, recipe stdout log, TensorBoard dir or W&B offline run")]
 TierOpt = Annotated[Optional[str], typer.Option(
-    "--tier", "-t", help="smoke | 4layer | full, or a spec .toml (default: from the run's model_variant, else full)")]
+    "--tier", "-t",
+    help="smoke | gpu | 4layer | full, or a spec .toml (default: from the run's model_variant, else full)")]
 ProfileOpt = Annotated[Optional[str], typer.Option(
     "--profile", help="hardware profile whose extra criteria apply (full: gb300)")]
 SummaryOpt = Annotated[Optional[Path], typer.Option(
@@ -132,7 +133,7 @@ def check(
 @app.command()
 def watch(
     run: RunArg,
-    tier: Annotated[str, typer.Option("--tier", "-t", help="smoke | 4layer | full, or a spec .toml")] = "full",
+    tier: Annotated[str, typer.Option("--tier", "-t", help="smoke | gpu | 4layer | full, or a spec .toml")] = "full",
     profile: ProfileOpt = None,
     kill_cmd: Annotated[Optional[str], typer.Option(
         "--kill-cmd", help="run on the first hard FAIL, e.g. \"ray job stop raysubmit_123\" (split like a "
@@ -266,7 +267,7 @@ def report(
 
 @app.command("criteria")
 def list_criteria(
-    tier: Annotated[str, typer.Option("--tier", "-t", help="smoke | 4layer | full, or a spec .toml")] = "full",
+    tier: Annotated[str, typer.Option("--tier", "-t", help="smoke | gpu | 4layer | full, or a spec .toml")] = "full",
 ) -> None:
     """Print a tier's criteria: what each checks, its numbers, and the recipe sentence it encodes."""
     from rich.table import Table

@@ -27,7 +27,12 @@ last event                                    phase now
 ``sync`` of no rollout (the startup sync)     eval (before training) when one is due, else generate
 ``rollout`` N                                 train (rollout N)
 ``train`` N                                   sync (after rollout N)
-``memory``                                    sync (the one the reading belongs to; when that sync's own
+``memory`` of an engine's release             offload (rollout N: the engines release, the trainer wakes)
+``memory`` of a trainer rank's wake_up        offload (rollout N)
+``memory`` of an engine's resume, or of a     onload (rollout N: the trainer sleeps, the engines come back)
+trainer rank's sleep (``*_offload``) or
+grad-buffer offload
+``memory`` (``*_update_weights*``)            sync (the one the reading belongs to; when that sync's own
                                               event came before it, as after that sync)
 ``sync`` after rollout N                      eval (after rollout N) when one is due, else generate N + 1
 ``eval`` N                                    generate (rollout N + 1)
@@ -50,7 +55,8 @@ import math
 from dataclasses import dataclass
 
 from harness.cycles import EVAL_TIME, cycle_times
-from harness.run_data import ENDS, ConfigEntry, EventTime, MemoryPoint, Point, RunData, StatusEntry, SyncPoint
+from harness.run_data import (ENDS, ConfigEntry, EngineMemoryPoint, EventTime, MemoryPoint, Point, RunData,
+                              StatusEntry, SyncPoint)
 
 __all__ = ["CYCLE_PHASES", "PHASE_ORDER", "Phase", "cycle_phases", "current_phase"]
 
@@ -117,7 +123,13 @@ def current_phase(run: RunData) -> Phase:
     if sync is not None or (timed is not None and timed.event == "sync"):
         rollout = sync.rollout_id if sync is not None else timed.rollout_id  # type: ignore[union-attr]
         return _after_sync(run, rollout, where)
+    engine = next((r for r in records if isinstance(r, EngineMemoryPoint)), None)
     memory = next((r for r in records if isinstance(r, MemoryPoint)), None)
+    moving = _memory_move(engine.phase if engine is not None else memory.phase if memory is not None else None,
+                          engine is not None)
+    if moving is not None:
+        rollout = engine.rollout_id if engine is not None else timed.rollout_id if timed is not None else None
+        return Phase(moving, f"rollout {rollout}" if rollout is not None else "startup", where)
     if memory is not None or (timed is not None and timed.event == "memory"):
         done = next((s for s in run.syncs if memory is not None and s.index == memory.sync), None)
         if done is not None:  # the reading came after its sync's own event: that sync is over
@@ -138,6 +150,20 @@ def current_phase(run: RunData) -> Phase:
     if kind == "rollout":
         return Phase("train", f"rollout {rollout}" if rollout is not None else "", where)
     return Phase("unknown", f"last event: {kind}", where)
+
+
+# Trainer phases of the memory moves around training (recipe §5.4), by the cycle phase they belong to.
+_OFFLOAD_PHASES = ("before_wake_up", "after_wake_up")
+_ONLOAD_PHASES = ("before_offload", "after_offload", "before_offload_grad_buffer", "after_offload_grad_buffer")
+
+
+def _memory_move(phase: str | None, engine: bool) -> str | None:
+    """``offload`` / ``onload`` for a reading of the memory moves around training, else None (a sync's reading)."""
+    if phase is None:
+        return None
+    if engine:
+        return "offload" if phase.endswith("_release") else "onload" if phase.endswith("_resume") else None
+    return "offload" if phase in _OFFLOAD_PHASES else "onload" if phase in _ONLOAD_PHASES else None
 
 
 def _last_event(run: RunData) -> list:

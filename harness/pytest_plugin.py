@@ -28,7 +28,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("k3-harness", "judge a Kimi-K3 run with the harness's criteria")
     group.addoption("--k3-run", default=None, metavar="RUN",
                     help=f"run directory / recipe log / TensorBoard dir / W&B offline run to judge (or ${RUN_ENV})")
-    group.addoption("--k3-tier", default="full", metavar="T", help="tier: smoke, 4layer, full or a spec .toml")
+    group.addoption("--k3-tier", default="full", metavar="T", help="tier: smoke, gpu, 4layer, full or a spec .toml")
     group.addoption("--k3-profile", default=None, metavar="P", help="hardware profile (full: gb300)")
     group.addoption("--k3-summary", default=None, metavar="PATH",
                     help="write a Markdown summary of the verdicts here (e.g. $GITHUB_STEP_SUMMARY)")

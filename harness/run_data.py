@@ -29,6 +29,7 @@ __all__ = [
     "Attempt",
     "Point",
     "MemoryPoint",
+    "EngineMemoryPoint",
     "SyncPoint",
     "ReplicaPoint",
     "EngineChunks",
@@ -85,6 +86,26 @@ class MemoryPoint:
     # A reading of a startup sync: one before its attempt's first optimizer step, when the optimizer state does
     # not exist yet (so it sits below the level every later sync returns to).
     startup: bool = False
+
+
+@dataclass(frozen=True)
+class EngineMemoryPoint:
+    """One memory reading of one rollout engine around its release or resume (recipe §5.1: the engine gives up
+    ``tags`` of its memory while the trainer trains, and takes them back for generation).
+
+    ``values`` holds the reading's ``memory/*`` numbers (GiB; ``memory/physical_gb`` is the whole device's use);
+    ``weights_resident`` what the engine said of its weights (None: not said)."""
+
+    engine: int
+    phase: str  # normalized: "before_release", "after_release", "before_resume", "after_resume"
+    sync: int | None  # the sync the reading precedes or belongs to (None: not logged)
+    rollout_id: int | None  # None at startup
+    tags: tuple[str, ...]  # the memory released or resumed: "weights", "kv_cache", "cuda_graph"
+    values: dict[str, float]
+    weights_resident: bool | None
+    seq: int
+    where: str
+    attempt: int = 0
 
 
 @dataclass(frozen=True)
@@ -192,7 +213,7 @@ class EventTime:
     where: str
 
 
-Record = Point | MemoryPoint | SyncPoint | ReplicaPoint | ConfigEntry | StatusEntry | EventTime
+Record = Point | MemoryPoint | EngineMemoryPoint | SyncPoint | ReplicaPoint | ConfigEntry | StatusEntry | EventTime
 
 
 def normalize_phase(phase: str) -> str:
@@ -234,6 +255,7 @@ class RunData:
     # Views, kept up to date by add().
     scalars: dict[str, dict[int, Point]] = field(default_factory=dict)
     memory: dict[tuple[str, str], dict[int, dict[int, MemoryPoint]]] = field(default_factory=dict)
+    engine_memory: list[EngineMemoryPoint] = field(default_factory=list)  # in arrival order
     syncs: list[SyncPoint] = field(default_factory=list)
     # (attempt, step) -> rank -> digests; steps restart with a resumed attempt's optimizer state, so the attempt
     # is part of the key
@@ -272,7 +294,7 @@ class RunData:
         if isinstance(record, StatusEntry):
             self._add_status(record)
             return
-        if isinstance(record, (Point, MemoryPoint, SyncPoint, ReplicaPoint)) or (
+        if isinstance(record, (Point, MemoryPoint, EngineMemoryPoint, SyncPoint, ReplicaPoint)) or (
                 isinstance(record, EventTime) and record.event != "status"):
             self._note_work()
         if isinstance(record, Point):
@@ -294,6 +316,8 @@ class RunData:
                              f"{record.sync} logged again; keeping the first ({first_mem.where})")
                 return
             by_rank[record.sync] = record
+        elif isinstance(record, EngineMemoryPoint):
+            self.engine_memory.append(record)
         elif isinstance(record, SyncPoint):
             self.syncs.append(record)
         elif isinstance(record, ReplicaPoint):

@@ -46,7 +46,7 @@ def builtin_tiers() -> list[str]:
 
 
 def load_tier(name_or_path: str | Path) -> Tier:
-    """A built-in tier by name (``smoke``, ``4layer``, ``full``) or a spec file by path."""
+    """A built-in tier by name (``smoke``, ``gpu``, ``4layer``, ``full``) or a spec file by path."""
     path = Path(name_or_path)
     if path.suffix == ".toml" or path.is_file():
         if not path.is_file():

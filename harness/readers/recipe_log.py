@@ -5,12 +5,14 @@ What it takes from the log (anything before the match — a Ray actor prefix, a 
 - ``rollout N: {…}``, ``perf N: {…}``, ``eval N: {…}``, ``step N: {…}``: Python dict reprs of the metrics of
   rollout ``N`` (for ``eval``, the rollout the eval ran after; 0 = before training). Parsed as literals
   (:mod:`harness.readers.python_literal`), never executed.
-- ``[Rank R] Memory-Usage <phase>: {…, 'allocated_GB': 90.94, …}``: one memory reading of trainer rank R; the
-  k-th reading of a rank at a phase belongs to sync k (the recipe prints no sync index; counting per rank is
-  immune to Ray interleaving the ranks' lines, but a reading lost to a garbled line — reported — shifts that
-  rank's later ones by one, so that rank lacks the last sync and the memory criteria say MISSING). Readings
-  before the log's first ``rollout N`` / ``perf N`` / ``step N`` line are the startup sync's (the recipe's
-  first ``update_weights``, adapter version 1, runs before any rollout, so before any optimizer step).
+- ``[Rank R] Memory-Usage <phase>: {…, 'allocated_GB': 90.94, …}``: one memory reading of trainer rank R (the
+  phase as the run directory names it: ``before offload model`` → ``before_offload``; ``used_GB`` also as
+  ``memory/physical_gb``); the k-th reading of a rank at a phase belongs to sync k (the recipe prints no sync
+  index; counting per rank is immune to Ray interleaving the ranks' lines, but a reading lost to a garbled line —
+  reported — shifts that rank's later ones by one, so that rank lacks the last sync and the memory criteria say
+  MISSING). Readings before the log's first ``rollout N`` / ``perf N`` / ``step N`` line are the startup sync's
+  (the recipe's first ``update_weights``, adapter version 1, runs before any rollout, so before any optimizer
+  step).
 - ``LoRA weight version N sent in M chunks``: one adapter sync, after the training of the rollout of the last
   ``rollout N`` / ``perf N`` / ``step N`` line before it (none: the startup sync).
 - Megatron's argument dump (``name ..... value`` between ``arguments`` and ``end of arguments``).
@@ -37,13 +39,22 @@ RANK_MARKER = re.compile(r"\[Rank (\d+)\]")
 SYNC_LINE = re.compile(r"LoRA weight version (\d+) sent in (\d+) chunks")
 DUMP_START = re.compile(r"-{3,} arguments -{3,}")
 DUMP_END = re.compile(r"-{3,} end of arguments -{3,}")
-# print_memory's keys → our metric names (GiB, as the recipe rounds them: 2 decimals).
+# print_memory's keys → our metric names (GiB, as the recipe rounds them: 2 decimals). used_GB is the device's
+# total − free, what a run directory logs as memory/physical_gb: read under both names.
 MEMORY_KEYS = {
-    "allocated_GB": "memory/allocated_gb",
-    "reserved_GB": "memory/reserved_gb",
-    "used_GB": "memory/used_gb",
-    "free_GB": "memory/free_gb",
-    "total_GB": "memory/total_gb",
+    "allocated_GB": ("memory/allocated_gb",),
+    "reserved_GB": ("memory/reserved_gb",),
+    "used_GB": ("memory/used_gb", "memory/physical_gb"),
+    "free_GB": ("memory/free_gb",),
+    "total_GB": ("memory/total_gb",),
+}
+# print_memory's messages whose run-directory phase is not the message with "_" for spaces (docs/RUN_DIRECTORY.md).
+PHASES = {
+    "before_offload_model": "before_offload",
+    "after_offload_model": "after_offload",
+    "before_wake_up_model": "before_wake_up",
+    "after_wake_up_model": "after_wake_up",
+    "after_update_weights_process-group_cleanup": "after_update_weights_cleanup",
 }
 
 
@@ -136,8 +147,10 @@ class RecipeLogSource:
         except LiteralError as e:
             run.problem(where, f"Memory-Usage of rank {rank} does not parse: {e}{suffix}; skipped")
             return
-        readings = {MEMORY_KEYS[k]: v for k, v in values.items()
-                    if k in MEMORY_KEYS and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        phase = PHASES.get(phase, phase)
+        readings = {name: v for k, v in values.items()
+                    if k in MEMORY_KEYS and isinstance(v, (int, float)) and not isinstance(v, bool)
+                    for name in MEMORY_KEYS[k]}
         if not readings:
             run.problem(where, f"Memory-Usage of rank {rank} has none of {', '.join(MEMORY_KEYS)}; skipped")
             return

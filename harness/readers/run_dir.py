@@ -7,7 +7,9 @@ Every line that cannot be used is reported as a :class:`~harness.run_data.Proble
 Across a resume (docs/RUN_DIRECTORY.md, "Resumed runs") sync numbers continue; a writer whose resumed attempt
 numbers its syncs from an index the run already used is read on from the next free index (the run's notes say
 so), so the readings of every attempt are kept. A memory reading is a *startup* one until its attempt's first ``train``
-event (no optimizer step has run, so the optimizer state does not exist yet).
+event (no optimizer step has run, so the optimizer state does not exist yet). A ``memory`` event with ``rank`` is
+a trainer rank's reading; one with ``engine`` (and no ``rank``) is a rollout engine's, around its release or resume
+of the ``tags`` it names (docs/RUN_DIRECTORY.md, "memory").
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ from harness.readers.follow import Line, LineFollower
 from harness.run_data import (
     STATUSES,
     ConfigEntry,
+    EngineChunks,
+    EngineMemoryPoint,
     EventTime,
     MemoryPoint,
-    EngineChunks,
     Point,
     ReplicaPoint,
     RunData,
@@ -44,6 +47,8 @@ EVENTS = ("rollout", "train", "eval", "sync", "memory", "status", "replicas")
 SYNC_KEYS = ("adapter/version", "adapter/chunks", "adapter/engine_version")
 # Keys without a "/" are the event's structure; keys with one ("rollout/raw_reward") are its metrics.
 STRUCTURE_KEYS = {"time", "event", "rollout_id", "rank", "phase", "sync", "status", "error"}
+# An engine's reading says whether its weights are on the device (a bool, not a GiB number).
+WEIGHTS_RESIDENT = "memory/engine_weights_resident"
 
 
 def is_run_dir(path: Path) -> bool:
@@ -195,6 +200,9 @@ class RunDirSource:
         return logged + self._offset
 
     def _read_memory(self, run: RunData, event: dict[str, Any], seq: int, where: str) -> None:
+        if "rank" not in event:
+            self._read_engine_memory(run, event, seq, where)
+            return
         rank, phase = event["rank"], normalize_phase(event["phase"])
         if "sync" in event:
             sync = self._sync_index(run, where, event["sync"])
@@ -212,6 +220,23 @@ class RunDirSource:
                     found = True
         if not found:
             run.problem(where, "memory event without any memory/* value")
+
+    def _read_engine_memory(self, run: RunData, event: dict[str, Any], seq: int, where: str) -> None:
+        sync = self._sync_index(run, where, event["sync"]) if "sync" in event else None
+        values: dict[str, float] = {}
+        for key, value in event.items():
+            if key.startswith("memory/") and key != WEIGHTS_RESIDENT:
+                number = _metric_value(run, where, key, value)
+                if number is not None:
+                    values[key] = number
+        resident = event.get(WEIGHTS_RESIDENT)
+        if resident is not None and not isinstance(resident, bool):
+            run.problem(where, f"{WEIGHTS_RESIDENT} must be true or false, got {resident!r}; read as not said")
+            resident = None
+        if not values and resident is None:
+            run.problem(where, f"engine {event['engine']}'s memory event without any memory/* value")
+        run.add(EngineMemoryPoint(event["engine"], normalize_phase(event["phase"]), sync, event.get("rollout_id"),
+                                  tuple(event.get("tags", ())), values, resident, seq, where, run.attempt))
 
 
 def _structure_error(event: dict[str, Any]) -> str | None:
@@ -233,7 +258,16 @@ def _structure_error(event: dict[str, Any]) -> str | None:
         expected = f"{', '.join(STATUSES[:-1])} or {STATUSES[-1]}"
         return f"status event with 'status' {event.get('status')!r} (expected {expected})"
     if kind == "memory":
-        if not isinstance(event.get("rank"), int) or isinstance(event.get("rank"), bool):
+        if "rank" in event and "engine" in event:
+            return "memory event with both 'rank' (a trainer rank's reading) and 'engine' (an engine's): give one"
+        if "engine" in event:  # an engine's reading
+            engine = event["engine"]
+            if not isinstance(engine, int) or isinstance(engine, bool) or engine < 0:
+                return f"an engine's memory event needs a non-negative integer 'engine', got {engine!r}"
+            tags = event.get("tags", [])
+            if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+                return f"an engine's memory event needs 'tags': a list of strings, got {tags!r}"
+        elif not isinstance(event.get("rank"), int) or isinstance(event.get("rank"), bool):
             return f"memory event needs an integer 'rank', got {event.get('rank')!r}"
         if not isinstance(event.get("phase"), str):
             return f"memory event needs a string 'phase', got {event.get('phase')!r}"

@@ -190,6 +190,11 @@ class TrainArgs:
     lora_transfer_buffer: bool = opt(False, "export every adapter chunk into one persistent buffer that the "
                                      "engine maps once (the recipe's IPC transfer-buffer variant) instead of a "
                                      "fresh bucket per chunk", group="sync", ours=True)
+    gpu_memory_fraction_per_actor: float | None = opt(
+        None, "share of its GPU each actor's CUDA allocator may reserve (0 < X <= 1; every trainer rank and the "
+        "embedded engine call torch.cuda.set_per_process_memory_fraction at start, so an actor that allocates past "
+        "it fails with an out-of-memory error); a per-process cap, not a limit on the sum of the actors on one GPU; "
+        "GPU runs with the embedded engine only (default: no cap)", group="sync", ours=True)
     check_weight_update_equal: bool = opt(False, "check the engine's weights equal the trainer's after the "
                                           "first sync", group="sync")
     ipc_unlink_shim: bool | None = opt(None, "LD_PRELOAD the shm_unlink shim in every worker, so an already "
@@ -465,6 +470,7 @@ def resolve(args: TrainArgs) -> ResolvedConfig:
             train_memory_margin_bytes=(2 if debug else 4) * _GIB,
             colocate_memory_peak_device=a.colocate_memory_peak_device,
             offload_rollout_level=tuple(a.offload_rollout_level),
+            gpu_memory_fraction_per_actor=a.gpu_memory_fraction_per_actor,
         ),
         training=TrainingSettings(
             num_steps_per_rollout=a.rollout_batch_size * a.n_samples_per_prompt // a.global_batch_size,
@@ -523,6 +529,28 @@ def _validate_values(a: TrainArgs) -> None:
         raise _fail(f"--rollout-engine {engine.name} needs GPUs (--num-gpus-per-node 0 is CPU): use --rollout-engine "
                     f"{on_cpu} on CPU")
     parse_env_pairs(a.extra_env_vars)
+    _validate_memory_fraction(a)
+
+
+# The engines that apply --gpu-memory-fraction-per-actor in their actor (SGLang sizes itself with its own
+# mem_fraction_static and takes no cap from us).
+MEMORY_FRACTION_ENGINES = ("embedded",)
+
+
+def _validate_memory_fraction(a: TrainArgs) -> None:
+    """--gpu-memory-fraction-per-actor: in (0, 1], on a GPU run whose every actor applies it (printed = applied)."""
+    fraction = a.gpu_memory_fraction_per_actor
+    if fraction is None:
+        return
+    if not 0.0 < fraction <= 1.0:
+        raise _fail(f"--gpu-memory-fraction-per-actor {fraction}: must be in (0, 1] (a share of one GPU)")
+    if not a.num_gpus_per_node:
+        raise _fail(f"--gpu-memory-fraction-per-actor {fraction} caps each actor's CUDA allocator, and this run is on "
+                    "CPU (--num-gpus-per-node 0): drop the flag")
+    if a.rollout_engine not in MEMORY_FRACTION_ENGINES:
+        raise _fail(f"--gpu-memory-fraction-per-actor is applied by the trainer and the "
+                    f"{' / '.join(MEMORY_FRACTION_ENGINES)} engine; --rollout-engine {a.rollout_engine} sizes its "
+                    "own memory (sglang_mem_fraction_static): drop the flag or use --rollout-engine embedded")
 
 
 def _validate_batches(a: TrainArgs, layout: ParallelLayout) -> None:

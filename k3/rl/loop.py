@@ -353,7 +353,8 @@ def worker_spec(s: RunSettings) -> WorkerSpec:
                       expert_lora_kernel=t.expert_lora_kernel, transfer_buffer=t.lora_transfer_buffer,
                       # the recipe's perf settings as resolved_config prints them (the megatron trainer applies them)
                       use_dynamic_batch_size=t.use_dynamic_batch_size, recompute_granularity=t.recompute_granularity,
-                      recompute_method=t.recompute_method, recompute_num_layers=t.recompute_num_layers)
+                      recompute_method=t.recompute_method, recompute_num_layers=t.recompute_num_layers,
+                      gpu_memory_fraction_per_actor=s.colocate.gpu_memory_fraction_per_actor)
 
 
 def _wandb_run(s: RunSettings, config: Mapping[str, Any] | None):

@@ -32,6 +32,7 @@ from k3.settings.worker import WorkerSpec
 from k3.tokenizer import load_tokenizer
 from k3.transport.handoff import AdapterProducer, HandoffError, TransferBuffer
 from k3.transport.leakcheck import LeakCheck
+from k3.transport.memory_cap import apply_gpu_memory_fraction
 
 __all__ = ["TrainerWorker"]
 
@@ -42,6 +43,11 @@ class TrainerWorker:
     def __init__(self, spec: WorkerSpec, grpo: GRPOConfig, max_tokens_per_micro_batch: int, rank: int = 0) -> None:
         self.spec = spec
         self.rank = rank
+        # Before anything is allocated: every later allocation of this rank counts against the cap.
+        capped = apply_gpu_memory_fraction(spec.gpu_memory_fraction_per_actor, _rank_device(spec),
+                                           f"trainer rank {rank}")
+        if capped:
+            print(capped, flush=True)
         self.tokenizer = load_tokenizer(spec.model_dir)
         self._megatron = spec.backend == "megatron"
         if self._megatron:
@@ -190,6 +196,14 @@ class TrainerWorker:
             self._producer = None
         if self._megatron:
             self.policy.close()
+
+
+def _rank_device(spec: WorkerSpec) -> str:
+    """The device this rank allocates on: a megatron rank's ``cuda:LOCAL_RANK`` (``k3.megatron.parallel`` sets it
+    current from that variable), else the spec's."""
+    if spec.device == "cuda" and spec.backend == "megatron":
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    return spec.device
 
 
 def _peer_pid(conn: Connection) -> int | None:

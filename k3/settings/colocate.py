@@ -22,6 +22,9 @@ class ColocateSettings:
     ``colocate_memory_peak_device``: one of :data:`PEAK_DEVICES` (``gpu``: the other side onloads first;
     ``cpu``: each side offloads first). ``offload_rollout_level``: the engine memory released for training, a
     subset of :data:`OFFLOAD_ROLLOUT_LEVELS`. ``train_memory_margin_bytes``: bytes kept free for the trainer.
+    ``gpu_memory_fraction_per_actor``: the share of its GPU each actor's CUDA allocator may reserve (every trainer
+    rank and every embedded engine applies it at start); None: no cap. A per-process limit: it bounds each actor
+    alone, not the sum of two actors on one device.
     """
 
     colocate: bool
@@ -31,3 +34,4 @@ class ColocateSettings:
     train_memory_margin_bytes: int
     colocate_memory_peak_device: str = "gpu"
     offload_rollout_level: tuple[str, ...] = OFFLOAD_ROLLOUT_LEVELS
+    gpu_memory_fraction_per_actor: float | None = None

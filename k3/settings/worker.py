@@ -34,3 +34,6 @@ class WorkerSpec:
     recompute_granularity: str | None = None  # megatron backend only, as the three below
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
+    # The share of the worker's GPU its CUDA allocator may reserve (ColocateSettings.gpu_memory_fraction_per_actor);
+    # None: no cap. Each worker applies it when it starts (k3.transport.memory_cap).
+    gpu_memory_fraction_per_actor: float | None = None

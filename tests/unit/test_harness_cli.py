@@ -232,7 +232,7 @@ def _flat(text: str) -> str:
 
 
 @pytest.mark.parametrize("columns", [80, 100])
-@pytest.mark.parametrize("tier", ["smoke", "4layer", "full"])
+@pytest.mark.parametrize("tier", ["smoke", "gpu", "4layer", "full"])
 def test_criteria_in_a_narrow_terminal_keeps_every_sentence_whole(tier, columns):
     from harness.tier import load_tier
 

@@ -54,7 +54,7 @@ def memory_run(values: dict[int, list[float]], finished: bool = True, phase: str
 
 # --- tier specs -------------------------------------------------------------------------------------------
 def test_builtin_tiers_load_and_full_encodes_the_recipe_numbers():
-    assert builtin_tiers() == ["4layer", "full", "smoke"]
+    assert builtin_tiers() == ["4layer", "full", "gpu", "smoke"]
     for name in builtin_tiers():
         assert load_tier(name).criteria
     full = {c.id: c for c in load_tier("full").criteria}
@@ -109,7 +109,7 @@ def test_spec_errors_name_the_file_the_criterion_and_the_field(body, message):
 
 
 def test_unknown_tier_and_profile(tmp_path):
-    with pytest.raises(SpecError, match="unknown tier 'fast'.*built in: 4layer, full, smoke"):
+    with pytest.raises(SpecError, match="unknown tier 'fast'.*built in: 4layer, full, gpu, smoke"):
         load_tier("fast")
     with pytest.raises(SpecError, match="no such spec file"):
         load_tier(tmp_path / "x.toml")

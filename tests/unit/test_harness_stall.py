@@ -226,7 +226,8 @@ def test_offload_and_onload_join_the_phases_when_logged(tmp_path):
 # --- the spec's [watch] and the flags ---------------------------------------------------------------------
 def test_each_tier_states_its_stall_rule():
     assert {t: (load_tier(t).stall.multiple, load_tier(t).stall.startup_allowance_s / 60) for t in
-            ("smoke", "4layer", "full")} == {"smoke": (10.0, 3.0), "4layer": (5.0, 30.0), "full": (3.0, 90.0)}
+            ("smoke", "gpu", "4layer", "full")} == {"smoke": (10.0, 3.0), "gpu": (10.0, 6.0), "4layer": (5.0, 30.0),
+                                                    "full": (3.0, 90.0)}
     bare = parse_tier('[tier]\nname = "t"\n[[criterion]]\nid = "a"\nkind = "band"\nmetric = "m"\ndoc = "d"\nlo = 1\n',
                       "t.toml")
     assert (bare.stall.multiple, bare.stall.startup_allowance_s) == (3.0, 3600.0)

@@ -28,6 +28,7 @@ from k3.rollout.protocol import GenerateRequest, Sample, SamplingParams
 from k3.settings.worker import WorkerSpec
 from k3.tokenizer import load_tokenizer
 from k3.transport.handoff import serve
+from k3.transport.memory_cap import apply_gpu_memory_fraction
 
 __all__ = ["EngineWorker"]
 
@@ -47,6 +48,10 @@ class EngineWorker:
     def __init__(self, spec: WorkerSpec, max_concurrency: int, cpu_backup: bool = True,
                  sabotage_sync: bool = False) -> None:
         self.spec = spec
+        # Before the model loads: every allocation of the engine counts against the cap.
+        capped = apply_gpu_memory_fraction(spec.gpu_memory_fraction_per_actor, spec.device, "embedded engine")
+        if capped:
+            print(capped, flush=True)
         self.tokenizer = load_tokenizer(spec.model_dir)
         self.engine = EmbeddedEngine(load_lora_model(spec), self.tokenizer, max_concurrency=max_concurrency,
                                      device=spec.device, cpu_backup=cpu_backup)
