@@ -278,8 +278,9 @@ class MegatronLoRATrainer:
         self.optimizer.zero_grad()
         self.model[0].train()
 
-        guard = NanGuard(step_index, {p: n for chunk in self.model for n, p in chunk.named_parameters()}) \
-            if self.check_for_nan else None
+        guard = None
+        if self.check_for_nan:  # parameters named as in the model (under DDP's ``module.``)
+            guard = NanGuard(step_index, {p: n for chunk in self.model for n, p in chunk.module.named_parameters()})
 
         def loss_func(mb: MicroBatch, logits: torch.Tensor):
             share, metrics = loss_fn(mb, token_outputs(logits, mb.labels, with_entropy, self.log_probs_chunk_size),
