@@ -6,8 +6,10 @@ Where it looks, per training step (``MegatronLoRATrainer.step`` with a :class:`N
 - the loss share of every micro-batch, on the rank that computes it (the last pipeline stage), as the schedule
   hands it back (no host sync per micro-batch: the flags stay on the device);
 - every trainable parameter's gradient on every rank *before* any reduction (K3's TP/EP sums and the data-parallel
-  all-reduce or reduce-scatter, which would copy one rank's NaN to all): the guard runs as the first thing of the
-  ``finalize_model_grads_func`` hook, so the rank named is one whose own backward made the value.
+  all-reduce or reduce-scatter, which would copy one rank's NaN to all): :meth:`NanGuard.note_grads` runs as the
+  first thing of the trainer's ``finalize_model_grads_func``, so the rank named is one whose own backward made the
+  value (or received it through a collective inside the backward, e.g. sequence parallelism's: then those ranks
+  are named too).
 
 Then every rank adds its flags into one small tensor over the world group, so every rank raises the same
 :class:`NonFiniteError` or none does (no rank is left waiting in a collective on one that raised). Only on that
@@ -25,7 +27,7 @@ adapters (``MegatronLoRATrainer.step``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -76,15 +78,6 @@ class NanGuard:
             # A norm is NaN when an element is, Inf when one is (or the squares overflow float32).
             norms = torch._foreach_norm([g.float() for g in grads])
             self._grads = list(zip(named, norms))
-
-    def hook(self, finalize: Callable) -> Callable:
-        """``finalize`` (a ``finalize_model_grads_func``) preceded by :meth:`note_grads` on the chunks it gets."""
-
-        def checked(model_chunks, *args, **kwargs):
-            self.note_grads(model_chunks)
-            return finalize(model_chunks, *args, **kwargs)
-
-        return checked
 
     def _local(self, device: torch.device) -> torch.Tensor:
         """``[loss NaN, loss Inf, grad NaN, grad Inf]`` of this rank (int64 counts on ``device``)."""

@@ -7,22 +7,25 @@ on the host; and the state a resume saves and loads.
   steps that slice, and the updated weights are all-gathered. The plain optimizer holds the whole state on every
   data-parallel rank.
 - **CPU offload** (``cpu_offload`` / ``offload_fraction``, the recipe's ``--optimizer-cpu-offload
-  --optimizer-offload-fraction 0.8``, with the ``--overlap-cpu-optimizer-d2h-h2d --use-precision-aware-optimizer``
-  it passes beside them): megatron's ``HybridDeviceOptimizer``. Of this rank's CUDA optimizer state, the first
-  ``offload_fraction`` (by element count, whole parameters in order) is held in pinned host memory and stepped by a
-  host Adam, overlapped with the device's on CUDA streams; the rest stays on the GPU. What megatron-core 0.16.1
-  needs for it, so what :func:`check_optimizer_options` refuses otherwise, in one line: the distributed optimizer
-  (the precision-aware path the hybrid optimizer runs on is the distributed optimizer's; Megatron-LM's own argument
-  check demands the same), CUDA (it moves CUDA parameters to pinned memory and runs on CUDA streams: without CUDA
-  there is nothing to move and no stream), and a fraction in [0, 1]. A fraction above 0 without the offload is
-  refused too: it would be printed and never applied.
+  --optimizer-offload-fraction 0.8 --overlap-cpu-optimizer-d2h-h2d``): megatron's ``HybridDeviceOptimizer``. Of
+  this rank's CUDA optimizer state, the first ``offload_fraction`` (by element count, whole parameters in order)
+  is copied to pinned host memory and stepped there by torch's Adam, its copies overlapped with the device on CUDA
+  streams; the rest steps on the GPU. What megatron-core 0.16.1 needs for it, so what
+  :func:`check_optimizer_options` refuses otherwise, in one line: the distributed optimizer (the path Megatron-LM
+  validates), CUDA (it moves CUDA parameters and runs on CUDA streams; on CPU it cannot step), and a fraction in
+  [0, 1]. A fraction above 0 without the offload is refused too: it would be printed and never applied.
+  The recipe also passes ``--use-precision-aware-optimizer``, with which the hybrid optimizer holds the fp32 main
+  weights itself; megatron-core's ``OptimizerConfig`` needs TransformerEngine for that (it fails without it), and
+  this project runs without TE. So here the GPU keeps the fp32 main weights of its slice and the host holds the
+  offloaded part's copy and Adam moments.
 
 :func:`optimizer_state_dict` / :func:`load_optimizer_state_dict` are this rank's optimizer state for a checkpoint
 and back. The plain optimizer's is megatron's ``state_dict()``. The distributed optimizer's ``state_dict()`` holds
 no parameter state (megatron keeps that in a separate file); its own reader, ``load_state_dict``, takes the
 parameter state along under ``param_state``, in one of megatron's formats. The one used here is
 ``dp_reshardable``: per bucket of the gradient buffer, per parameter range this rank owns, its main weights and Adam
-moments (``get_parameter_state_dp_reshardable``), so every rank saves and loads its own slice, with no collective.
+moments (``get_parameter_state_dp_reshardable``), so every rank saves and reads its own slice with no collective
+(the load then all-gathers the restored weights, as a step does).
 """
 
 from __future__ import annotations

@@ -40,8 +40,8 @@ def optimizer_options_problem(use_distributed_optimizer: bool, optimizer_cpu_off
         return (f"optimizer_offload_fraction={f:g} without optimizer_cpu_offload: nothing would be offloaded; set the "
                 "fraction to 0 or turn the offload on")
     if optimizer_cpu_offload and not use_distributed_optimizer:
-        return ("optimizer_cpu_offload needs use_distributed_optimizer: megatron-core's hybrid CPU/GPU optimizer runs "
-                "on the distributed optimizer's precision-aware path")
+        return ("optimizer_cpu_offload needs use_distributed_optimizer: megatron-core's hybrid CPU/GPU optimizer is "
+                "run under the distributed optimizer (the pairing Megatron-LM validates)")
     return None
 
 

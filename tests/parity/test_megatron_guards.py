@@ -5,7 +5,9 @@ Worker ``guards`` (this file as a script, a 2-rank torchrun; each rank saves wha
 - DP2 (TP1, the batch split over the two ranks): the policy with the plain optimizer and with megatron's
   distributed optimizer from the same adapters, two GRPO steps each. The distributed optimizer holds about half
   of the Adam state on each rank (the two halves add up to the whole, which the plain one holds on both), and the
-  steps give the same losses and adapters. Its state (``optimizer_state``, each rank its own slice) goes through
+  steps give the same losses and adapters. The distributed run also takes its log-softmax in chunks of 7 tokens
+  (``log_probs_chunk_size``), so the same equality covers the chunked log-prob pass and the checkpointed chunks of
+  a train step through megatron's schedule. Its state (``optimizer_state``, each rank its own slice) goes through
   ``torch.save`` / ``torch.load(weights_only=True)`` and a resumed step equals the uninterrupted one bit for bit,
   with both replicas equal right after the load. A plain state into the distributed optimizer is refused.
 - ``check_for_nan_in_loss_and_grad`` at DP2: a NaN advantage in a trajectory of DP rank 1 stops the third step on
@@ -94,7 +96,8 @@ def _optimizers(root: Path, out: dict) -> None:
     from k3.megatron.lora import gather_lora, load_lora
 
     for name, distributed in (("plain", False), ("distributed", True)):
-        policy = _policy(root, use_distributed_optimizer=distributed)
+        # the distributed run also takes its log-softmax in chunks of 7 tokens (checkpointed in the train step)
+        policy = _policy(root, use_distributed_optimizer=distributed, log_probs_chunk_size=7 if distributed else -1)
         trajs = _trajs(policy)
         got = {"dp": policy.dp, "trainable": sum(p.numel() for p in policy.model.parameters() if p.requires_grad),
                "steps": [policy.train_step(trajs) for _ in range(2)]}
