@@ -109,7 +109,9 @@ def _patch_torch_cuda() -> None:
     def cuda_named_type(self, dtype=None, non_blocking=False, **kwargs):
         if dtype is None and not kwargs:
             name = original_type(self)
-            return name.replace("torch.", "torch.cuda.", 1) if name.startswith("torch.") else name
+            # Under the TorchFunctionMode the original reaches this patch again: name a CUDA type once.
+            cuda_name = name.startswith("torch.") and not name.startswith("torch.cuda.")
+            return name.replace("torch.", "torch.cuda.", 1) if cuda_name else name
         return original_type(self, dtype, non_blocking, **kwargs)
 
     torch.Tensor.type = cuda_named_type

@@ -458,7 +458,7 @@ def resolve(args: TrainArgs) -> ResolvedConfig:
         layout=layout,
         lora=LoRAConfig(rank=a.lora_rank, alpha=float(a.lora_alpha), dropout=a.lora_dropout,
                         target_modules=tuple(a.target_modules), experts_shared_outer=a.experts_shared_outer_loras),
-        optimizer=_optimizer(a),
+        optimizer=_optimizer(a, notes),
         grpo=GRPOSettings(),
         rollout=rollout,
         data=_data(a),
@@ -487,6 +487,7 @@ def resolve(args: TrainArgs) -> ResolvedConfig:
             lora_transfer_buffer=a.lora_transfer_buffer,
             ref_load=a.ref_load,
             max_tokens_per_gpu=a.max_tokens_per_gpu,
+            distributed_timeout_minutes=a.distributed_timeout_minutes,
         ),
     )
     return ResolvedConfig(args=a, settings=settings, env=env, notes=tuple(notes))
@@ -567,13 +568,19 @@ def _validate_batches(a: TrainArgs, layout: ParallelLayout) -> None:
                     f"{layout.data_parallel_size}")
 
 
-def _optimizer(a: TrainArgs) -> OptimizerSettings:
+def _optimizer(a: TrainArgs, notes: list[str]) -> OptimizerSettings:
     megatron = a.backend == "megatron"
     if a.mode == "debug_minimal":
         # The recipe's debug_minimal runs SGD (momentum 0); both trainers here build Adam (k3.rl.grpo.build_optimizer,
         # k3.megatron.training), so Adam is what is printed. weight decay 0 and lr 1e-6 are the recipe's and applied.
         return OptimizerSettings("adam", 0.0, 0.9, 0.98, 0.0, "constant", megatron, False, 0.0, lr=a.lr)
-    return OptimizerSettings("adam", 0.1, 0.9, 0.98, 0.0, "constant", megatron, megatron, 0.8 if megatron else 0.0,
+    # The recipe offloads 80% of the Adam state to the host; megatron-core does that for CUDA state only, so a run
+    # without GPUs (megatron on CPU: tests) prints, and runs, no offload.
+    offload = megatron and bool(a.num_gpus_per_node)
+    if megatron and not offload:
+        notes.append("optimizer CPU offload is off: megatron-core offloads CUDA optimizer state, and this run has no "
+                     "GPUs (--num-gpus-per-node 0)")
+    return OptimizerSettings("adam", 0.1, 0.9, 0.98, 0.0, "constant", megatron, offload, 0.8 if offload else 0.0,
                              lr=a.lr)
 
 

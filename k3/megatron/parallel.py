@@ -1,8 +1,18 @@
-"""Process groups for the megatron backend: ``torch.distributed`` + megatron's model-parallel groups."""
+"""Process groups for the megatron backend: ``torch.distributed`` + megatron's model-parallel groups.
+
+Every group joined or created here carries the run's collective timeout (``distributed_timeout_minutes``, the
+recipe's ``--distributed-timeout-minutes``): the world group, and megatron's TP/EP/PP/CP/DP groups with their gloo
+twins (``initialize_model_parallel`` passes it to each ``new_group``, but for one: megatron-core 0.16.1 makes its
+expert data-parallel gloo group without it, i.e. torch's default of 30 minutes, so it is set here afterwards). A
+rank waiting longer than that on a peer that never joins a collective fails with the backend's timeout error
+(gloo: "Timed out waiting <ms>ms"; NCCL: the watchdog's "Timeout(ms)=<ms>").
+"""
 
 from __future__ import annotations
 
+import math
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -11,17 +21,30 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
 from k3.settings.parallel import ParallelLayout
 
-__all__ = ["init_parallel", "destroy_parallel"]
+__all__ = ["DEFAULT_TIMEOUT_MINUTES", "collective_timeout", "init_parallel", "destroy_parallel"]
+
+DEFAULT_TIMEOUT_MINUTES = 10  # the recipe launcher's --distributed-timeout-minutes default
 
 
-def init_parallel(layout: ParallelLayout, seed: int | None = 1234, backend: str | None = None) -> None:
+def collective_timeout(minutes: float) -> timedelta:
+    """``minutes`` (> 0, finite; fractions allowed, e.g. seconds-long timeouts in tests) as a ``timedelta``."""
+    if isinstance(minutes, bool) or not isinstance(minutes, (int, float)) or not math.isfinite(minutes) or minutes <= 0:
+        raise ValueError(f"distributed_timeout_minutes={minutes!r}: expected a number of minutes > 0")
+    return timedelta(minutes=minutes)
+
+
+def init_parallel(layout: ParallelLayout, seed: int | None = 1234, backend: str | None = None,
+                  distributed_timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES) -> None:
     """Join the torchrun world (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``, or a single process
     when unset) and create megatron's TP/EP/PP/CP/DP groups for ``layout``'s model-parallel sizes.
 
     ``backend`` defaults to NCCL with CUDA, gloo without. The world size must be a multiple of ``tp * pp``
     and of ``ep * pp`` (experts are not tensor-parallel), and of ``tp * cp * pp``. ``seed`` seeds megatron's model-parallel RNG streams
-    (CUDA); None skips it (checkpoint conversion, which draws no random numbers).
+    (CUDA); None skips it (checkpoint conversion, which draws no random numbers). ``distributed_timeout_minutes``:
+    the timeout of every collective of the world group (one joined earlier, e.g. by a previous policy in the same
+    process, is set to it too) and of every megatron group created here.
     """
+    timeout = collective_timeout(distributed_timeout_minutes)
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # a lone process: a world of one
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
@@ -30,7 +53,9 @@ def init_parallel(layout: ParallelLayout, seed: int | None = 1234, backend: str 
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend=backend)
+        dist.init_process_group(backend=backend, timeout=timeout)
+    else:
+        dist.group.WORLD.set_timeout(timeout)
     world = dist.get_world_size()
     for what, n in (("tensor x pipeline", layout.tp * layout.pp), ("expert x pipeline", layout.ep * layout.pp),
                     ("tensor x context x pipeline", layout.tp * layout.cp * layout.pp)):
@@ -43,7 +68,9 @@ def init_parallel(layout: ParallelLayout, seed: int | None = 1234, backend: str 
         context_parallel_size=layout.cp,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=1,
+        distributed_timeout_minutes=distributed_timeout_minutes,  # megatron's own default is 30
     )
+    parallel_state.get_expert_data_parallel_group_gloo().set_timeout(timeout)  # made without it (module docstring)
     if seed is not None:
         model_parallel_cuda_manual_seed(seed)
 

@@ -12,6 +12,13 @@ adapter factors. ``MegatronLoRATrainer``:
   convention: the token-mean of each micro-batch, averaged over micro-batches and data-parallel ranks.
 - ``forward(micro_batches)`` is the same forward without gradients (log-probs of rollout tokens).
 
+Both take the per-token log-probs (and entropies) from the logits in chunks of ``log_probs_chunk_size`` tokens
+(``token_outputs``; the recipe's ``--log-probs-chunk-size``): the float32 copy and megatron's cross-entropy
+temporaries ``[tokens, vocab/TP]`` exist for one chunk at a time. In a training step each chunk runs under
+activation checkpointing, so what autograd keeps is the logits, not each chunk's float32 softmax, and the backward
+recomputes one chunk at a time. -1: one pass over all tokens. ``check_for_nan``: the step runs a
+``k3.megatron.nan_guard.NanGuard``.
+
 A micro-batch is either padded rows ``[batch, seq]`` (every micro-batch of a call the same shape) or packed
 sequences: one row ``[1, T]`` holding whole sequences back to back with their bounds ``cu_seqlens``, handed to the
 model as megatron's THD ``packed_seq_params`` (``k3.megatron.packed``); packed micro-batches of a call may differ
@@ -29,16 +36,19 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from torch.utils.checkpoint import checkpoint
 
+from k3.megatron import optimizer as megatron_optimizer
 from k3.megatron.config import K3TransformerConfig
 from k3.megatron.context_parallel import cp_gather_tokens, cp_local_tokens
 from k3.megatron.grads import finalize_k3_model_grads
 from k3.megatron.lora import apply_megatron_lora
 from k3.megatron.model import k3_model_provider
+from k3.megatron.nan_guard import NanGuard
 from k3.megatron.packed import check_bounds, packed_seq_params
 from k3.settings.lora import LoRAConfig
+from k3.settings.train import NO_LOG_PROBS_CHUNKING, check_log_probs_chunk_size
 
 __all__ = ["LossContext", "LossFn", "MegatronLoRATrainer", "MicroBatch", "TokenOutputs", "build_lora_trainer",
            "token_mean_loss", "token_outputs", "vocab_parallel_entropy"]
@@ -129,13 +139,41 @@ def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
     return sums[0].log() - sums[1] / sums[0]
 
 
-def token_outputs(logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool = False) -> TokenOutputs:
-    """Per-token log-probs (and entropies) from this TP rank's ``logits [batch, seq, vocab/tp]``.
+def _chunk_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    # A fresh float32 copy: megatron's cross entropy works in place, and a checkpointed chunk's input must be intact
+    # when the backward recomputes it.
+    return -tensor_parallel.vocab_parallel_cross_entropy(logits.to(torch.float32, copy=True), labels)
 
-    The entropy is taken first: megatron's vocab-parallel cross entropy works in place on float32 logits."""
-    entropy = vocab_parallel_entropy(logits) if with_entropy else None
-    log_probs = -tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels)
-    return TokenOutputs(log_probs=log_probs, entropy=entropy)
+
+def token_outputs(logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool = False,
+                  chunk_size: int = NO_LOG_PROBS_CHUNKING) -> TokenOutputs:
+    """Per-token log-probs (and entropies) from this TP rank's ``logits [batch, seq, vocab/tp]`` and ``labels
+    [batch, seq]``.
+
+    ``chunk_size``: tokens (over ``batch × seq`` in order) per chunk of the vocab-parallel log-softmax; each chunk's
+    float32 temporaries ``[chunk, vocab/tp]`` are freed before the next, and with gradients each chunk is
+    checkpointed (recomputed, one at a time, in the backward). :data:`NO_LOG_PROBS_CHUNKING` (-1): all tokens at
+    once, megatron's cross entropy in place on the float32 logits (the entropy is taken first for that reason).
+    The values are the same either way: each token's log-softmax reads only its own row."""
+    check_log_probs_chunk_size(chunk_size)
+    if chunk_size == NO_LOG_PROBS_CHUNKING:
+        entropy = vocab_parallel_entropy(logits) if with_entropy else None
+        log_probs = -tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels)
+        return TokenOutputs(log_probs=log_probs, entropy=entropy)
+    vocab = logits.shape[-1]
+    flat, flat_labels = logits.reshape(-1, vocab), labels.reshape(-1)
+    grad = torch.is_grad_enabled() and flat.requires_grad
+    log_probs, entropy = [], []
+    for piece, piece_labels in zip(flat.split(chunk_size), flat_labels.split(chunk_size)):
+        if with_entropy:
+            entropy.append(vocab_parallel_entropy(piece))
+        if grad:
+            log_probs.append(checkpoint(_chunk_log_probs, piece, piece_labels, use_reentrant=False,
+                                        preserve_rng_state=False))  # deterministic: no random state to replay
+        else:
+            log_probs.append(_chunk_log_probs(piece, piece_labels))
+    return TokenOutputs(log_probs=torch.cat(log_probs).reshape(labels.shape),
+                        entropy=torch.cat(entropy).reshape(labels.shape) if with_entropy else None)
 
 
 def _cp_local(mb: MicroBatch) -> MicroBatch:
@@ -174,11 +212,27 @@ def _check_shapes(micro_batches: Sequence[MicroBatch], what: str) -> tuple[int, 
 
 @dataclass
 class MegatronLoRATrainer:
-    """``model``: the DDP-wrapped stage (a one-element list, megatron's model chunks); ``optimizer``: megatron's."""
+    """``model``: the DDP-wrapped stage (a one-element list, megatron's model chunks); ``optimizer``: megatron's;
+    ``log_probs_chunk_size``: as ``token_outputs``' ``chunk_size``; ``check_for_nan``: every step runs a
+    ``NanGuard`` (``k3.megatron.nan_guard``)."""
 
     config: K3TransformerConfig
     model: list[DistributedDataParallel]
     optimizer: object
+    log_probs_chunk_size: int = NO_LOG_PROBS_CHUNKING
+    check_for_nan: bool = False
+    _guard: NanGuard | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        check_log_probs_chunk_size(self.log_probs_chunk_size)
+        # The guard sees each rank's gradients before any reduction: first thing in the finalize hook. Without the
+        # check, the hook is K3's finalize itself.
+        self.config.finalize_model_grads_func = self._finalize_grads if self.check_for_nan else finalize_k3_model_grads
+
+    def _finalize_grads(self, model, *args, **kwargs) -> None:
+        if self._guard is not None:
+            self._guard.note_grads(model)
+        finalize_k3_model_grads(model, *args, **kwargs)
 
     @property
     def device(self) -> torch.device:
@@ -204,12 +258,15 @@ class MegatronLoRATrainer:
         )
 
     def step(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn = token_mean_loss,
-             with_entropy: bool = False) -> dict[str, float]:
+             with_entropy: bool = False, step_index: int | None = None) -> dict[str, float]:
         """One optimizer step over this rank's ``micro_batches`` minimising the sum of ``loss_fn``'s shares.
 
         Returns ``loss`` (the sum of the shares over micro-batches and data-parallel ranks), every metric of
-        ``loss_fn`` summed the same way, ``grad_norm`` (before clipping) and ``applied``. A non-finite gradient
-        norm applies nothing and raises ``FloatingPointError``."""
+        ``loss_fn`` summed the same way, ``grad_norm`` (before clipping) and ``applied``. With ``check_for_nan``, a
+        NaN or Inf in a loss share or in a rank's gradients applies nothing and raises
+        ``k3.megatron.nan_guard.NonFiniteError`` on every rank, naming the ranks and ``step_index`` (the optimizer
+        step, for the message). Either way a non-finite global gradient norm applies nothing and raises
+        ``FloatingPointError``."""
         b, s = _check_shapes(micro_batches, "step")
         ctx = self.context(len(micro_batches))
         # megatron's schedule divides each returned loss by the micro-batch count and DDP averages gradients
@@ -221,23 +278,44 @@ class MegatronLoRATrainer:
         self.optimizer.zero_grad()
         self.model[0].train()
 
+        guard = None
+        if self.check_for_nan:  # parameters named as in the model (under DDP's ``module.``)
+            guard = NanGuard(step_index, {p: n for chunk in self.model for n, p in chunk.module.named_parameters()})
+
         def loss_func(mb: MicroBatch, logits: torch.Tensor):
-            share, metrics = loss_fn(mb, token_outputs(logits, mb.labels, with_entropy), ctx)
+            share, metrics = loss_fn(mb, token_outputs(logits, mb.labels, with_entropy, self.log_probs_chunk_size),
+                                     ctx)
+            if guard is not None:
+                guard.note_loss(share)
             # clone: the schedule divides the returned loss in place
             reported = {"loss": share.detach().clone(), **{k: v.detach().clone() for k, v in metrics.items()}}
             return share * undo, reported
 
-        stored = self._run(micro_batches, loss_func, False, b, s)
+        self._guard = guard
+        try:
+            stored = self._run(micro_batches, loss_func, False, b, s)
+        finally:
+            self._guard = None
+        if guard is not None:
+            try:
+                guard.raise_if_any(self.device)
+            except FloatingPointError:
+                self._discard_grads()
+                raise
         sums = self._reduce_metrics(stored)
         self.optimizer.prepare_grads()
         norm = float(self.optimizer.get_grad_norm())
         if not math.isfinite(norm):
-            for chunk in self.model:
-                chunk.zero_grad_buffer()
-            self.optimizer.zero_grad()
-            raise FloatingPointError(f"gradient norm is {norm}: the optimizer step was not applied")
+            self._discard_grads()
+            at = "" if step_index is None else f" at optimizer step {step_index}"
+            raise FloatingPointError(f"gradient norm is {norm}{at}: the optimizer step was not applied")
         applied, _, _ = self.optimizer.step()
         return {**sums, "grad_norm": norm, "applied": bool(applied)}
+
+    def _discard_grads(self) -> None:
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
 
     def _reduce_metrics(self, stored: list[dict[str, torch.Tensor]]) -> dict[str, float]:
         """Sum the per-micro-batch metric dicts of the last stage over micro-batches, then over the pipeline
@@ -267,7 +345,7 @@ class MegatronLoRATrainer:
         self.model[0].eval()
 
         def loss_func(mb: MicroBatch, logits: torch.Tensor):
-            out = token_outputs(logits, mb.labels, with_entropy)
+            out = token_outputs(logits, mb.labels, with_entropy, self.log_probs_chunk_size)
             kept = {"log_probs": out.log_probs.detach()}
             if out.entropy is not None:
                 kept["entropy"] = out.entropy
@@ -311,12 +389,24 @@ def build_lora_trainer(
     betas: tuple[float, float] = (0.9, 0.999),
     adam_eps: float = 1e-8,
     expert_lora_kernel: str = "torch",
+    optimizer_cpu_offload: bool = False,
+    optimizer_offload_fraction: float = 0.0,
+    log_probs_chunk_size: int = NO_LOG_PROBS_CHUNKING,
+    check_for_nan: bool = False,
 ) -> MegatronLoRATrainer:
     """This rank's trainer: model from ``config``, base weights via ``load_base(model)`` (e.g.
     ``partial(load_dist, load=DCP)`` or ``partial(load_hf_checkpoint, hf_dir=…, cfg=…)``), adapters from
-    ``lora``, Adam (decoupled weight decay, i.e. AdamW; megatron exempts 1-D parameters and biases from decay)
-    over the adapters; ``expert_lora_kernel`` as ``apply_megatron_lora``'s. Call after
+    ``lora``, megatron's Adam over the adapters (``k3.megatron.optimizer.build_megatron_optimizer``: plain or
+    ``use_distributed_optimizer``, ``optimizer_cpu_offload`` of ``optimizer_offload_fraction``; refused before the
+    model is built when megatron-core cannot run them); ``expert_lora_kernel`` as ``apply_megatron_lora``'s;
+    ``log_probs_chunk_size`` and ``check_for_nan`` as ``MegatronLoRATrainer``'s. Call after
     ``k3.megatron.parallel.init_parallel``."""
+    # Refusals first, before the model is built (looked up at call time: a CPU test stands in the device check).
+    megatron_optimizer.check_optimizer_options(use_distributed_optimizer, optimizer_cpu_offload,
+                                               optimizer_offload_fraction)
+    if optimizer_cpu_offload:
+        megatron_optimizer.require_offload_device()
+    check_log_probs_chunk_size(log_probs_chunk_size)
     model = k3_model_provider(config)
     if torch.cuda.is_available():
         model = model.cuda()
@@ -325,17 +415,17 @@ def build_lora_trainer(
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                use_distributed_optimizer=use_distributed_optimizer)
     ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
-    opt_config = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=weight_decay, clip_grad=clip_grad,
-                                 adam_beta1=betas[0], adam_beta2=betas[1], adam_eps=adam_eps,
-                                 bf16=config.bf16, params_dtype=config.params_dtype,
-                                 use_distributed_optimizer=use_distributed_optimizer)
-    optimizer = get_megatron_optimizer(opt_config, [ddp])
+    optimizer = megatron_optimizer.build_megatron_optimizer(
+        [ddp], lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, betas=betas, adam_eps=adam_eps, bf16=config.bf16,
+        params_dtype=config.params_dtype, distributed=use_distributed_optimizer, cpu_offload=optimizer_cpu_offload,
+        offload_fraction=optimizer_offload_fraction)
     # Megatron's lr scheduler is what turns a group's wd_mult / lr_mult into its settings; there is none here
     # (constant lr, the recipe's), so apply them once.
     for group in optimizer.param_groups:
         group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)
         group["lr"] = lr * group.get("lr_mult", 1.0)
-    config.finalize_model_grads_func = finalize_k3_model_grads
     config.grad_scale_func = optimizer.scale_loss
     config.no_sync_func = ddp.no_sync
-    return MegatronLoRATrainer(config=config, model=[ddp], optimizer=optimizer)
+    # the trainer sets config.finalize_model_grads_func (K3's finalize, behind the NaN guard when it is on)
+    return MegatronLoRATrainer(config=config, model=[ddp], optimizer=optimizer,
+                               log_probs_chunk_size=log_probs_chunk_size, check_for_nan=check_for_nan)

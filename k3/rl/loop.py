@@ -347,14 +347,21 @@ def worker_spec(s: RunSettings) -> WorkerSpec:
     """What the run's trainer and engine workers build their model from (the device: CUDA when the run uses GPUs
     and this process sees one)."""
     device = "cuda" if s.uses_gpus and torch.cuda.is_available() else "cpu"
-    t = s.training
+    t, o = s.training, s.optimizer
     return WorkerSpec(model_dir=str(s.tokenizer_path), lora=s.lora, device=device,
                       dtype="bfloat16" if device == "cuda" else "float32", seed=s.seed,
                       expert_lora_kernel=t.expert_lora_kernel, transfer_buffer=t.lora_transfer_buffer,
                       # the recipe's perf settings as resolved_config prints them (the megatron trainer applies them)
                       use_dynamic_batch_size=t.use_dynamic_batch_size, recompute_granularity=t.recompute_granularity,
                       recompute_method=t.recompute_method, recompute_num_layers=t.recompute_num_layers,
-                      gpu_memory_fraction_per_actor=s.colocate.gpu_memory_fraction_per_actor)
+                      gpu_memory_fraction_per_actor=s.colocate.gpu_memory_fraction_per_actor,
+                      # the optimizer's (megatron: resolve sets them for that backend only) and the guards (both)
+                      use_distributed_optimizer=o.use_distributed_optimizer,
+                      optimizer_cpu_offload=o.optimizer_cpu_offload,
+                      optimizer_offload_fraction=o.optimizer_offload_fraction,
+                      check_for_nan_in_loss_and_grad=t.check_for_nan_in_loss_and_grad,
+                      distributed_timeout_minutes=t.distributed_timeout_minutes,
+                      log_probs_chunk_size=t.log_probs_chunk_size)
 
 
 def _wandb_run(s: RunSettings, config: Mapping[str, Any] | None):

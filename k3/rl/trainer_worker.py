@@ -56,10 +56,18 @@ class TrainerWorker:
                 layout=spec.layout, ref_load=spec.ref_load, dtype=getattr(torch, spec.dtype), seed=spec.seed,
                 expert_lora_kernel=spec.expert_lora_kernel, use_dynamic_batch_size=spec.use_dynamic_batch_size,
                 recompute_granularity=spec.recompute_granularity, recompute_method=spec.recompute_method,
-                recompute_num_layers=spec.recompute_num_layers)
+                recompute_num_layers=spec.recompute_num_layers, use_distributed_optimizer=spec.use_distributed_optimizer,
+                optimizer_cpu_offload=spec.optimizer_cpu_offload,
+                optimizer_offload_fraction=spec.optimizer_offload_fraction,
+                check_for_nan_in_loss_and_grad=spec.check_for_nan_in_loss_and_grad,
+                distributed_timeout_minutes=spec.distributed_timeout_minutes,
+                log_probs_chunk_size=spec.log_probs_chunk_size)
         elif spec.backend == "torch":
+            _refuse_megatron_only(spec)
             self.policy = PolicyTrainer(load_lora_model(spec), pad_id=self.tokenizer.pad_id, grpo=grpo,
-                                        max_tokens_per_micro_batch=max_tokens_per_micro_batch, device=spec.device)
+                                        max_tokens_per_micro_batch=max_tokens_per_micro_batch, device=spec.device,
+                                        log_probs_chunk_size=spec.log_probs_chunk_size,
+                                        check_for_nan_in_loss_and_grad=spec.check_for_nan_in_loss_and_grad, rank=rank)
         else:
             raise ValueError(f"WorkerSpec.backend={spec.backend!r}: expected one of {BACKENDS}")
         self.leak = LeakCheck(device=spec.device)
@@ -204,6 +212,18 @@ def _rank_device(spec: WorkerSpec) -> str:
     if spec.device == "cuda" and spec.backend == "megatron":
         return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
     return spec.device
+
+
+def _refuse_megatron_only(spec: WorkerSpec) -> None:
+    """The torch backend trains one rank with a plain torch optimizer: the megatron optimizer's settings set in
+    ``spec`` would be printed and never applied, so they are refused (one line naming them)."""
+    set_ = [f"{name}={getattr(spec, name)!r}" for name, off in (("use_distributed_optimizer", False),
+                                                                 ("optimizer_cpu_offload", False),
+                                                                 ("optimizer_offload_fraction", 0.0))
+            if getattr(spec, name) != off]
+    if set_:
+        raise ValueError(f"{', '.join(set_)}: only the megatron backend applies these (the torch backend trains one "
+                         "rank with a plain torch optimizer); use --backend megatron, or leave them off")
 
 
 def _peer_pid(conn: Connection) -> int | None:

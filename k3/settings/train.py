@@ -7,19 +7,51 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["BACKENDS", "EXPERT_LORA_KERNELS", "GRPOSettings", "OptimizerSettings", "TrainingSettings"]
+__all__ = ["BACKENDS", "EXPERT_LORA_KERNELS", "NO_LOG_PROBS_CHUNKING", "GRPOSettings", "OptimizerSettings",
+           "TrainingSettings", "check_log_probs_chunk_size", "optimizer_options_problem"]
 
 BACKENDS = ("torch", "megatron")  # --backend
 # --expert-lora-kernel. A copy of k3.kernels.expert_lora.function.KERNEL_CHOICES, which stays the source: kernels
 # are leaves (they import nothing of k3, these settings included) and the settings must not load torch to read
 # it. tests/unit/test_launch_args.py checks the two are equal.
 EXPERT_LORA_KERNELS = ("auto", "torch", "triton")
+# log_probs_chunk_size: the recipe's (miles') --log-probs-chunk-size, whose default -1 means one pass over all tokens.
+NO_LOG_PROBS_CHUNKING = -1
+
+
+def check_log_probs_chunk_size(value: int) -> int:
+    """``value`` when it is a valid ``log_probs_chunk_size``: tokens per log-softmax chunk (>= 1), or
+    :data:`NO_LOG_PROBS_CHUNKING`; else ``ValueError`` naming it (0 too: miles reads it as "no chunking", which
+    -1 already says)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not (value >= 1 or value == NO_LOG_PROBS_CHUNKING):
+        raise ValueError(f"log_probs_chunk_size={value!r}: expected tokens per chunk (an integer >= 1), or "
+                         f"{NO_LOG_PROBS_CHUNKING} for no chunking")
+    return value
+
+
+def optimizer_options_problem(use_distributed_optimizer: bool, optimizer_cpu_offload: bool,
+                              optimizer_offload_fraction: float) -> str | None:
+    """What keeps megatron-core 0.16.1 from running these optimizer options (one line), or None. The device is
+    checked where the optimizer is built (``k3.megatron.optimizer``): the offload also needs CUDA."""
+    f = optimizer_offload_fraction
+    if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:  # NaN fails the range too
+        return f"optimizer_offload_fraction={f!r}: expected a fraction in [0, 1]"
+    if f > 0 and not optimizer_cpu_offload:
+        return (f"optimizer_offload_fraction={f:g} without optimizer_cpu_offload: nothing would be offloaded; set the "
+                "fraction to 0 or turn the offload on")
+    if optimizer_cpu_offload and not use_distributed_optimizer:
+        return ("optimizer_cpu_offload needs use_distributed_optimizer: megatron-core's hybrid CPU/GPU optimizer is "
+                "run under the distributed optimizer (the pairing Megatron-LM validates)")
+    return None
 
 
 @dataclass(frozen=True)
 class OptimizerSettings:
     """The optimizer of the mode: debug_minimal = SGD (momentum 0, lr 1e-6), normal = Adam (β 0.9 / 0.98).
-    ``lr``: the learning rate in effect (debug_minimal replaces --lr)."""
+    ``lr``: the learning rate in effect (debug_minimal replaces --lr). ``use_distributed_optimizer``: megatron's
+    distributed optimizer (Adam state sharded over data-parallel ranks); ``optimizer_cpu_offload`` /
+    ``optimizer_offload_fraction``: that fraction of it on the host (needs the distributed optimizer and CUDA);
+    the megatron backend applies the three, the torch backend (one rank) none: it needs them False / 0."""
 
     optimizer: str
     weight_decay: float
@@ -31,6 +63,12 @@ class OptimizerSettings:
     optimizer_cpu_offload: bool
     optimizer_offload_fraction: float
     lr: float = 1e-5
+
+    def __post_init__(self) -> None:
+        problem = optimizer_options_problem(self.use_distributed_optimizer, self.optimizer_cpu_offload,
+                                            self.optimizer_offload_fraction)
+        if problem is not None:
+            raise ValueError(problem)
 
 
 @dataclass(frozen=True)
@@ -54,7 +92,13 @@ class TrainingSettings:
     ``save``) and the trainer's flags: ``backend`` (one of :data:`BACKENDS`), ``expert_lora_kernel`` (one of
     :data:`EXPERT_LORA_KERNELS`), ``lora_transfer_buffer`` (one persistent hand-off buffer), ``ref_load`` (the
     megatron base's torch_dist checkpoint, None: from the HF checkpoint) and ``max_tokens_per_gpu`` (tokens of
-    one micro-batch)."""
+    one micro-batch).
+
+    ``log_probs_chunk_size``: tokens per chunk of the log-softmax over the vocabulary in the log-prob pass and the
+    train step (both backends; :data:`NO_LOG_PROBS_CHUNKING`: one pass); ``check_for_nan_in_loss_and_grad``: a NaN
+    or Inf in a loss or a rank's gradients stops the run naming the rank and the optimizer step (both backends);
+    ``distributed_timeout_minutes``: the timeout of every collective of the trainer's process groups (megatron;
+    the torch backend has none)."""
 
     num_steps_per_rollout: int
     use_dynamic_batch_size: bool
@@ -69,3 +113,11 @@ class TrainingSettings:
     lora_transfer_buffer: bool = False
     ref_load: str | None = None
     max_tokens_per_gpu: int = 8192
+    distributed_timeout_minutes: int = 10
+
+    def __post_init__(self) -> None:
+        check_log_probs_chunk_size(self.log_probs_chunk_size)
+        if isinstance(self.distributed_timeout_minutes, bool) or not isinstance(self.distributed_timeout_minutes, int) \
+                or self.distributed_timeout_minutes < 1:
+            raise ValueError(f"distributed_timeout_minutes={self.distributed_timeout_minutes!r}: expected whole "
+                             "minutes >= 1")

@@ -18,7 +18,12 @@ class WorkerSpec:
     ``torch`` (``PolicyTrainer``) or ``megatron`` (``MegatronPolicy``, base weights from the torch_dist
     ``ref_load`` when set, else ``model_dir``, on the model-parallel sizes and pipeline split of ``layout``).; ``use_dynamic_batch_size``: packed micro-batches filled up to the trainer's token
     budget, the recipe's loss; ``recompute_*``: megatron's activation recompute, granularity None / ``full`` /
-    ``selective``, method and layer count for ``full`` only)."""
+    ``selective``, method and layer count for ``full`` only).
+
+    The trainer's guards and memory settings (``k3.settings.train``): ``use_distributed_optimizer``,
+    ``optimizer_cpu_offload`` and ``optimizer_offload_fraction`` (megatron backend only: the torch backend refuses
+    them set), ``check_for_nan_in_loss_and_grad`` and ``log_probs_chunk_size`` (both backends),
+    ``distributed_timeout_minutes`` (the megatron backend's process groups; fractions of a minute allowed)."""
 
     model_dir: str
     lora: LoRAConfig
@@ -37,3 +42,9 @@ class WorkerSpec:
     # The share of the worker's GPU its CUDA allocator may reserve (ColocateSettings.gpu_memory_fraction_per_actor);
     # None: no cap. Each worker applies it when it starts (k3.transport.memory_cap).
     gpu_memory_fraction_per_actor: float | None = None
+    use_distributed_optimizer: bool = False
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 0.0
+    check_for_nan_in_loss_and_grad: bool = False
+    distributed_timeout_minutes: float = 10
+    log_probs_chunk_size: int = -1  # k3.settings.train.NO_LOG_PROBS_CHUNKING

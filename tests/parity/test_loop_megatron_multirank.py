@@ -362,10 +362,14 @@ def test_resume_gives_every_rank_its_optimizer_state(result):
     assert len(resumed) == 1 and resumed[0]["next_rollout"] == 2
     assert [e["rollout_id"] for e in ev if e["event"] == "rollout"] == [0, 1, 2]
     after = ev[ev.index(resumed[0]):]
-    # the resumed ranks' first sync ships the checkpoint's (BF16) adapters: the engine scores rollout 2's samples
-    # as rank 0 does
+    # the resumed ranks' first sync ships the checkpoint's adapters: the very chunks (BF16, by digest) of the
+    # interrupted run's last sync, after which that checkpoint was saved
+    last_sync = [e for e in _events(result["root"] / "tp2") if e["event"] == "sync"][-1]
+    assert next(e for e in after if e["event"] == "sync")["chunk_digests"] == last_sync["chunk_digests"]
+    # megatron's distributed optimizer (normal mode) restores the float32 main weights exactly: rank 0 scores rollout
+    # 2 with float32 adapters, the engine with their BF16 export (as any rollout after a step)
     train = [e for e in after if e["event"] == "train"]
-    assert len(train) == 1 and train[0]["rollout/train_rollout_logprob_abs_diff"] < 1e-5
+    assert len(train) == 1 and train[0]["rollout/train_rollout_logprob_abs_diff"] < 0.05
     state = torch.load(result["root"] / "tp2-resumed" / "adapters" / "rollout_000002" / "trainer_state.pt",
                        weights_only=False)
     assert [s["steps"] for s in state["ranks"]] == [3, 3]  # each rank continued from its own saved step count

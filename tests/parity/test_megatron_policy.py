@@ -479,10 +479,16 @@ def test_loop_resumes_from_the_megatron_checkpoint(loop_result):
     assert len(resumed) == 1 and resumed[0]["next_rollout"] == 2
     assert [e["rollout_id"] for e in ev if e["event"] == "rollout"] == [0, 1, 2]
     after = ev[ev.index(resumed[0]):]
-    # the resumed trainer's first sync ships the checkpoint's adapters: rollout 2's samples are scored by the
-    # trainer like the engine scores them (BF16 adapters on both sides now: the checkpoint is BF16)
+    # the resumed trainer's first sync ships the checkpoint's adapters: the very chunks (BF16, by digest) of the
+    # interrupted run's last sync, after which that checkpoint was saved
+    last_sync = [e for e in _events(Path(loop_result["run"])) if e["event"] == "sync"][-1]
+    first_sync = next(e for e in after if e["event"] == "sync")
+    assert first_sync["chunk_digests"] == last_sync["chunk_digests"]
+    # The run trains with megatron's distributed optimizer (normal mode), whose state restores the float32 main
+    # weights exactly: the trainer scores rollout 2 with float32 adapters, the engine with their BF16 export, as at
+    # rollout 1 (test_loop_syncs_advance_the_version_and_bracket_memory)
     train = [e for e in after if e["event"] == "train"]
-    assert len(train) == 1 and train[0]["rollout/train_rollout_logprob_abs_diff"] < 1e-5
+    assert len(train) == 1 and train[0]["rollout/train_rollout_logprob_abs_diff"] < 0.05
     assert (Path(loop_result["resumed"]) / "adapters" / "rollout_000002" / "trainer_state.pt").is_file()
 
 

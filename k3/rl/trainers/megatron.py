@@ -34,6 +34,13 @@ splits over CP and TP.
 Activation recompute (``recompute_granularity`` / ``recompute_method`` / ``recompute_num_layers``) is megatron's
 (``k3.megatron.recompute``); it changes the memory held, never the numbers.
 
+The run's guards and memory settings, applied by ``k3.megatron``: ``use_distributed_optimizer`` /
+``optimizer_cpu_offload`` / ``optimizer_offload_fraction`` (``k3.megatron.optimizer``; the optimizer state of a
+checkpoint then holds each rank's slice, and says which optimizer wrote it), ``check_for_nan_in_loss_and_grad``
+(``k3.megatron.nan_guard``: the error names the ranks and the optimizer step), ``distributed_timeout_minutes``
+(every process group, ``k3.megatron.parallel``) and ``log_probs_chunk_size`` (the log-softmax in chunks of that
+many tokens, ``k3.megatron.training.token_outputs``).
+
 Layout: the run's ``ParallelLayout`` (TP, EP, PP, CP and the pipeline split; ``parallel`` = (TP, EP, PP, CP) in
 the optimizer state); the policy runs under TP, EP (with
 DP) and CP (tests/parity/test_megatron_policy.py: equal to one rank); the loop runs one policy per training
@@ -87,6 +94,12 @@ def build_megatron_policy(
     recompute_granularity: str | None = None,
     recompute_method: str | None = None,
     recompute_num_layers: int | None = None,
+    use_distributed_optimizer: bool = False,
+    optimizer_cpu_offload: bool = False,
+    optimizer_offload_fraction: float = 0.0,
+    check_for_nan_in_loss_and_grad: bool = False,
+    distributed_timeout_minutes: float = 10,
+    log_probs_chunk_size: int = -1,
 ) -> MegatronPolicy:
     """Join the process group, create megatron's TP/EP/PP/CP groups for ``layout`` (its model-parallel sizes and
     pipeline split; None: one rank of everything, ``ParallelLayout.model_parallel()``) and build
@@ -97,14 +110,23 @@ def build_megatron_policy(
     routed-expert adapters run (``apply_megatron_lora``). On CUDA the model goes to the current device
     (``init_parallel`` sets it from ``LOCAL_RANK``). ``use_dynamic_batch_size``: packed micro-batches and the
     recipe's loss (module docstring); ``recompute_*``: megatron's activation recompute
-    (``k3.megatron.recompute.Recompute``; checked here, before any process group is joined)."""
+    (``k3.megatron.recompute.Recompute``; checked here, before any process group is joined). The guards and memory
+    settings (module docstring) are checked here too, the device last (the CPU offload needs CUDA)."""
+    from k3.megatron import optimizer as megatron_optimizer
     from k3.megatron.checkpoint import load_dist, load_hf_checkpoint, read_dist_config
     from k3.megatron.config import k3_transformer_config
-    from k3.megatron.parallel import init_parallel
+    from k3.megatron.parallel import collective_timeout, init_parallel
     from k3.megatron.recompute import Recompute
     from k3.megatron.training import build_lora_trainer
+    from k3.settings.train import check_log_probs_chunk_size
 
     recompute = Recompute(recompute_granularity, recompute_method, recompute_num_layers)
+    megatron_optimizer.check_optimizer_options(use_distributed_optimizer, optimizer_cpu_offload,
+                                               optimizer_offload_fraction)
+    check_log_probs_chunk_size(log_probs_chunk_size)
+    collective_timeout(distributed_timeout_minutes)
+    if optimizer_cpu_offload:
+        megatron_optimizer.require_offload_device()
 
     grpo = GRPOConfig() if grpo is None else grpo
     engine_cfg = K3Config.from_json(model_dir)
@@ -123,7 +145,7 @@ def build_megatron_policy(
     layout = ParallelLayout.model_parallel() if layout is None else layout
     config = k3_transformer_config(cfg, layout, params_dtype=dtype, perform_initialization=False,
                                    recompute=recompute)  # validates
-    init_parallel(layout, seed=seed)
+    init_parallel(layout, seed=seed, distributed_timeout_minutes=distributed_timeout_minutes)
 
     def load_base(model: torch.nn.Module) -> None:
         if ref_load is not None:
@@ -133,7 +155,12 @@ def build_megatron_policy(
 
     trainer = build_lora_trainer(config, lora, load_base, lr=grpo.lr, clip_grad=grpo.clip_grad,
                                  weight_decay=grpo.weight_decay, betas=grpo.betas, adam_eps=grpo.adam_eps,
-                                 lora_seed=seed, expert_lora_kernel=expert_lora_kernel)
+                                 lora_seed=seed, expert_lora_kernel=expert_lora_kernel,
+                                 use_distributed_optimizer=use_distributed_optimizer,
+                                 optimizer_cpu_offload=optimizer_cpu_offload,
+                                 optimizer_offload_fraction=optimizer_offload_fraction,
+                                 log_probs_chunk_size=log_probs_chunk_size,
+                                 check_for_nan=check_for_nan_in_loss_and_grad)
     return MegatronPolicy(trainer, cfg, lora, pad_id=pad_id, grpo=grpo,
                           max_tokens_per_micro_batch=max_tokens_per_micro_batch,
                           parallel=(layout.tp, layout.ep, layout.pp, layout.cp), dynamic_batch=use_dynamic_batch_size)
@@ -327,10 +354,7 @@ class MegatronPolicy:
             batches, _ = self._pack_dynamic(trajs, with_targets=True)
         else:
             batches, _ = self._pack(trajs, with_targets=True)
-        try:
-            stats = self.trainer.step(batches, grpo_loss, with_entropy=True)
-        except FloatingPointError as e:
-            raise FloatingPointError(f"{e} (step {self.steps})") from None
+        stats = self.trainer.step(batches, grpo_loss, with_entropy=True, step_index=self.steps)
         self.steps += 1
         return {
             "train/loss": stats["loss"],
@@ -520,13 +544,22 @@ class MegatronPolicy:
 
     # -- optimizer state
     def optimizer_state(self) -> dict[str, Any]:
-        """Megatron's optimizer state (this rank's), the step count and the layout it belongs to."""
+        """Megatron's optimizer state (this rank's: ``k3.megatron.optimizer.optimizer_state_dict``; with the
+        distributed optimizer, this rank's slice), whether it is the distributed optimizer's, the step count and
+        the layout it belongs to."""
+        from k3.megatron.optimizer import is_distributed, optimizer_state_dict
+
+        optimizer = self.trainer.optimizer
         return {"backend": BACKEND, "parallel": list(self.parallel), "dp": self.dp,
-                "optimizer": self.trainer.optimizer.state_dict(), "steps": self.steps}
+                "distributed_optimizer": is_distributed(optimizer), "optimizer": optimizer_state_dict(optimizer),
+                "steps": self.steps}
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
-        """Restore ``optimizer_state()`` output; a state of the torch backend or of another layout raises
-        ``ValueError`` (its tensors do not fit this optimizer's parameters)."""
+        """Restore ``optimizer_state()`` output (collective over the data-parallel ranks with the distributed
+        optimizer); a state of the torch backend, of another layout or of the other kind of optimizer (plain /
+        distributed; a state without the tag is the plain one's) raises ``ValueError``."""
+        from k3.megatron.optimizer import is_distributed, load_optimizer_state_dict
+
         backend = state.get("backend", "torch")
         if backend != BACKEND:
             raise ValueError(f"the optimizer state was saved by the {backend} backend; this run trains with "
@@ -535,7 +568,12 @@ class MegatronPolicy:
         if layout != (list(self.parallel), self.dp):
             raise ValueError(f"the optimizer state was saved under (TP, EP, PP, CP) = {layout[0]}, DP {layout[1]}; "
                              f"this run has {list(self.parallel)}, DP {self.dp}: resume with the same layout")
-        self.trainer.optimizer.load_state_dict(state["optimizer"])
+        saved, have = bool(state.get("distributed_optimizer", False)), is_distributed(self.trainer.optimizer)
+        if saved != have:
+            kinds = {True: "the distributed optimizer", False: "the plain (non-distributed) optimizer"}
+            raise ValueError(f"the optimizer state was saved by {kinds[saved]}; this run uses {kinds[have]}: resume "
+                             "with the optimizer that saved it")
+        load_optimizer_state_dict(self.trainer.optimizer, state["optimizer"], self.trainer.model)
         self.steps = int(state["steps"])
 
     def close(self) -> None:

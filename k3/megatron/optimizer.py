@@ -1,0 +1,172 @@
+"""Megatron-core's optimizer over the LoRA factors: Adam, plain or distributed, optionally stepping part of its state
+on the host; and the state a resume saves and loads.
+
+- **Distributed** (``distributed``, the recipe's ``--use-distributed-optimizer``): megatron's
+  ``DistributedOptimizer``. DDP reduce-scatters the gradient buffer instead of all-reducing it; each data-parallel
+  rank holds the Adam state (fp32 main weights, ``exp_avg``, ``exp_avg_sq``) of its 1/DP slice of the buffer only,
+  steps that slice, and the updated weights are all-gathered. The plain optimizer holds the whole state on every
+  data-parallel rank.
+- **CPU offload** (``cpu_offload`` / ``offload_fraction``, the recipe's ``--optimizer-cpu-offload
+  --optimizer-offload-fraction 0.8 --overlap-cpu-optimizer-d2h-h2d``): megatron's ``HybridDeviceOptimizer``. Of
+  this rank's CUDA optimizer state, the first ``offload_fraction`` (by element count, whole parameters in order)
+  is copied to pinned host memory and stepped there by torch's Adam, its copies overlapped with the device on CUDA
+  streams; the rest steps on the GPU. What megatron-core 0.16.1 needs for it, so what
+  :func:`check_optimizer_options` refuses otherwise, in one line: the distributed optimizer (the path Megatron-LM
+  validates), CUDA (it moves CUDA parameters and runs on CUDA streams; on CPU it cannot step), and a fraction in
+  [0, 1]. A fraction above 0 without the offload is refused too: it would be printed and never applied.
+  The recipe also passes ``--use-precision-aware-optimizer``, with which the hybrid optimizer holds the fp32 main
+  weights itself; megatron-core's ``OptimizerConfig`` needs TransformerEngine for that (it fails without it), and
+  this project runs without TE. So here the GPU keeps the fp32 main weights of its slice and the host holds the
+  offloaded part's copy and Adam moments.
+
+:func:`optimizer_state_dict` / :func:`load_optimizer_state_dict` are this rank's optimizer state for a checkpoint
+and back. The plain optimizer's is megatron's ``state_dict()``. The distributed optimizer's ``state_dict()`` holds
+no parameter state (megatron keeps that in a separate file); its own reader, ``load_state_dict``, takes the
+parameter state along under ``param_state``, in one of megatron's formats. The one used here is
+``dp_reshardable``: per bucket of the gradient buffer, per parameter range this rank owns, its main weights and Adam
+moments (``get_parameter_state_dp_reshardable``), so every rank saves and reads its own slice with no collective
+(the load then all-gathers the restored weights, as a step does).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer.optimizer import ChainedOptimizer
+
+from k3.settings.train import optimizer_options_problem
+
+__all__ = ["OptimizerOptionError", "build_megatron_optimizer", "check_optimizer_options", "is_distributed",
+           "load_optimizer_state_dict", "optimizer_state_dict", "require_offload_device"]
+
+DP_RESHARDABLE = "dp_reshardable"  # megatron's name of the per-rank, bucket-ordered parameter-state format
+
+
+class OptimizerOptionError(ValueError):
+    """An optimizer setting megatron-core cannot honour here; the message names the setting and what to change."""
+
+
+def check_optimizer_options(distributed: bool, cpu_offload: bool, offload_fraction: float) -> None:
+    """Refuse, in one line, a combination megatron-core 0.16.1 cannot run (module docstring; the rule is
+    ``k3.settings.train.optimizer_options_problem``, which the run's settings check at parse time); not the device."""
+    problem = optimizer_options_problem(distributed, cpu_offload, offload_fraction)
+    if problem is not None:
+        raise OptimizerOptionError(problem)
+
+
+def require_offload_device() -> None:
+    """Raise unless CUDA is usable: megatron's hybrid optimizer offloads CUDA state to pinned host memory over
+    CUDA streams. Looked up at call time (``build_megatron_optimizer``), so a CPU test of the wiring can stand in."""
+    if not torch.cuda.is_available():
+        raise OptimizerOptionError("optimizer_cpu_offload needs CUDA (megatron-core offloads CUDA optimizer state "
+                                   "to pinned host memory on CUDA streams), and this process has no CUDA device: "
+                                   "turn the offload off")
+
+
+def build_megatron_optimizer(model: list, *, lr: float, weight_decay: float, clip_grad: float,
+                             betas: tuple[float, float], adam_eps: float, bf16: bool, params_dtype: torch.dtype,
+                             distributed: bool = False, cpu_offload: bool = False, offload_fraction: float = 0.0):
+    """Megatron's Adam (decoupled weight decay, i.e. AdamW; megatron exempts 1-D parameters and biases from decay)
+    over the trainable parameters of the DDP-wrapped ``model`` chunks, plain or distributed, with the CPU offload
+    of the module docstring. ``model``'s DDP must have been built with ``use_distributed_optimizer=distributed``.
+    Raises :class:`OptimizerOptionError` first (one line) for a combination or a device that cannot run it."""
+    check_optimizer_options(distributed, cpu_offload, offload_fraction)
+    for chunk in model:
+        if chunk.ddp_config.use_distributed_optimizer != distributed:
+            raise OptimizerOptionError(f"the model's DDP has use_distributed_optimizer="
+                                       f"{chunk.ddp_config.use_distributed_optimizer}, the optimizer {distributed}: "
+                                       "build both with the same setting")
+    if cpu_offload:
+        require_offload_device()
+    config = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=weight_decay, clip_grad=clip_grad,
+                             adam_beta1=betas[0], adam_beta2=betas[1], adam_eps=adam_eps, bf16=bf16,
+                             params_dtype=params_dtype, use_distributed_optimizer=distributed,
+                             optimizer_cpu_offload=cpu_offload,
+                             optimizer_offload_fraction=float(offload_fraction) if cpu_offload else 0.0,
+                             # the recipe's overlap of the host step's copies (module docstring: no precision-aware path)
+                             overlap_cpu_optimizer_d2h_h2d=cpu_offload)
+    return get_megatron_optimizer(config, model)
+
+
+def _parts(optimizer) -> list:
+    return list(optimizer.chained_optimizers) if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+
+
+def is_distributed(optimizer) -> bool:
+    """Whether ``optimizer`` (megatron's, chained or not) is the distributed optimizer."""
+    return any(isinstance(part, DistributedOptimizer) for part in _parts(optimizer))
+
+
+def _host_copy(value: Any) -> Any:
+    """``value`` with every tensor replaced by a detached host copy (containers rebuilt, other values kept)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _host_copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_host_copy(v) for v in value]
+    return value
+
+
+def _distributed_part_state(part: DistributedOptimizer) -> dict[str, Any]:
+    if len(part.optimizer.state) == 0:
+        # Never stepped: no Adam state exists yet (and megatron's state_dict() needs one to read the step count).
+        return {"never_stepped": True}
+    state = part.state_dict()
+    param_state = _host_copy(part.get_parameter_state_dp_reshardable())
+    for key, per_dtype in param_state.items():
+        if isinstance(key, int):  # a gradient buffer: {dtype: [bucket: [owned parameter range: tensors]]}
+            for buckets in per_dtype.values():
+                for bucket in buckets:
+                    for entry in bucket:
+                        # The reader skips padding entries; this rank's own ranges hold none.
+                        entry["padding"] = False
+    state["param_state"] = param_state
+    state["param_state_sharding_type"] = DP_RESHARDABLE
+    return state
+
+
+def optimizer_state_dict(optimizer) -> dict[str, Any] | list[dict[str, Any]]:
+    """This rank's optimizer state (module docstring): megatron's ``state_dict()`` for the plain optimizer; for the
+    distributed one, per optimizer it chains (dense, then expert-parallel parameters), its ``state_dict()`` plus
+    host copies of this rank's parameter state. A list when megatron chains several optimizers, as its own
+    ``state_dict()``."""
+    if not is_distributed(optimizer):
+        return optimizer.state_dict()
+    parts = [_distributed_part_state(part) for part in _parts(optimizer)]
+    return parts[0] if len(parts) == 1 else parts
+
+
+@torch.no_grad()  # the fp32 main weights are views of the parameters (leaves that require grad)
+def load_optimizer_state_dict(optimizer, state: dict[str, Any] | list[dict[str, Any]], model: list) -> None:
+    """Restore :func:`optimizer_state_dict` output into ``optimizer`` (built for the same layout). For the
+    distributed optimizer, the restored main weights are then written into the model's parameters and all-gathered
+    over the data-parallel ranks (what its step does after an update), so every replica holds them at once rather
+    than only this rank's slice until the next step. Collective over the data-parallel group(s)."""
+    if not is_distributed(optimizer):
+        optimizer.load_state_dict(state)
+        return
+    parts = _parts(optimizer)
+    states = state if isinstance(state, list) else [state]
+    if len(states) != len(parts):
+        raise ValueError(f"the optimizer state holds {len(states)} optimizer(s), this optimizer chains {len(parts)}: "
+                         "it was saved for another model or layout")
+    for part, part_state in zip(parts, states):
+        if part_state.get("never_stepped"):
+            continue  # a fresh optimizer is what was saved
+        if part_state.get("param_state_sharding_type") != DP_RESHARDABLE:
+            raise ValueError("the optimizer state holds no distributed-optimizer parameter state (saved by the plain "
+                             "optimizer?): resume with the optimizer that saved it")
+        part.load_state_dict(part_state)
+        # Without TE/apex, megatron gives every parameter's state one shared ``step`` tensor; torch's Adam then adds
+        # 1 to it once per parameter at the next step (the bias correction of step 3 + N instead of 3): unshare.
+        for param_state in part.optimizer.state.values():
+            if isinstance(param_state.get("step"), torch.Tensor):
+                param_state["step"] = param_state["step"].clone()
+        # megatron's step does these two after an update (step_with_ready_grads)
+        part._copy_main_params_to_model_params()
+    for chunk in model:
+        chunk.start_param_sync(force_sync=True)
