@@ -120,7 +120,8 @@ _ENTRIES: tuple[ResolvedKey, ...] = (
              _LAYOUT, ARGS, "k3/launch/placement.py", SERVER_ARGS),
     _applied("external_ray", "join the running Ray cluster instead of starting one", "k3/launch/placement.py"),
     _derived("extra_env_vars", "KEY=VALUE pairs added to every Ray worker's env", ("env",)),
-    _applied("distributed_timeout_minutes", "timeout of every process group's collectives", LOOP),
+    _applied("distributed_timeout_minutes", "timeout of every process group's collectives", LOOP, WORKER,
+             MEGATRON_POLICY, "k3/megatron/parallel.py"),
     _applied("env", "the environment of every Ray worker (JSON only)", ("k3/launch/placement.py", "env")),
     # ------------------------------------------------------------------ parallelism
     _derived("pipeline_parallel_size", "pipeline stages asked for", ("pipeline_model_parallel_size",
@@ -233,14 +234,16 @@ _ENTRIES: tuple[ResolvedKey, ...] = (
           pinned=lambda d: d["rollout_batch_size"] * d["n_samples_per_prompt"] // d["global_batch_size"]),
     _applied("use_dynamic_batch_size", "packed micro-batches filled up to max_tokens_per_gpu, the recipe's loss",
              LOOP, WORKER, MEGATRON_POLICY, only_with=MEGATRON, off=False),
-    _applied("log_probs_chunk_size", "tokens per chunk of the log-prob pass", LOOP),
+    _applied("log_probs_chunk_size", "tokens per chunk of the log-prob pass", LOOP, WORKER, MEGATRON_POLICY,
+             "k3/rl/trainers/torch.py", "k3/megatron/training.py"),
     _applied("recompute_granularity", "megatron's activation recompute: full or selective", LOOP, WORKER,
              MEGATRON_POLICY, only_with=MEGATRON),
     _applied("recompute_method", "megatron's recompute method: uniform or block", LOOP, WORKER, MEGATRON_POLICY,
              only_with=MEGATRON),
     _applied("recompute_num_layers", "layers per recompute unit", LOOP, WORKER, MEGATRON_POLICY,
              only_with=MEGATRON),
-    _applied("check_for_nan_in_loss_and_grad", "a NaN loss or gradient stops the run naming rank and step", LOOP),
+    _applied("check_for_nan_in_loss_and_grad", "a NaN loss or gradient stops the run naming rank and step", LOOP,
+             WORKER, MEGATRON_POLICY, "k3/rl/trainers/torch.py"),
     # ------------------------------------------------------------------ optimizer
     _info("optimizer", "the optimizer", "both trainers build Adam (k3/rl/grpo.py: build_optimizer; "
           "k3/megatron/training.py: OptimizerConfig(optimizer='adam')) in either mode; the recipe's "
@@ -250,12 +253,12 @@ _ENTRIES: tuple[ResolvedKey, ...] = (
     _applied("adam_beta2", "Adam's beta2", LOOP),
     _info("lr_decay_style", "the learning-rate schedule", "neither trainer has a schedule: the rate stays at lr",
           pinned="constant"),
-    _applied("use_distributed_optimizer", "megatron's distributed optimizer over the LoRA parameters", LOOP,
-             "k3/megatron/training.py"),
-    _applied("optimizer_cpu_offload", "optimizer state on the host (megatron-core's CPU offload)", LOOP,
-             "k3/megatron/training.py"),
-    _applied("optimizer_offload_fraction", "the share of the optimizer step run on the host", LOOP,
-             "k3/megatron/training.py"),
+    _applied("use_distributed_optimizer", "megatron's distributed optimizer over the LoRA parameters", LOOP, WORKER,
+             MEGATRON_POLICY, "k3/megatron/optimizer.py"),
+    _applied("optimizer_cpu_offload", "optimizer state on the host (megatron-core's CPU offload)", LOOP, WORKER,
+             MEGATRON_POLICY, "k3/megatron/optimizer.py"),
+    _applied("optimizer_offload_fraction", "the share of the optimizer step run on the host", LOOP, WORKER,
+             MEGATRON_POLICY, "k3/megatron/optimizer.py"),
     # ------------------------------------------------------------------ grpo
     _info("advantage_estimator", "how advantages are estimated", "the loop's GRPO: group-normalised rewards "
           "(k3/rl/grpo.py: group_advantages); the value states it", pinned="grpo"),

@@ -34,8 +34,6 @@ ROOT = Path(__file__).resolve().parents[2]
 # Printed, registered with the reader they will have, and not read yet: wiring in flight (issue #22 items 3 and the
 # colocation issue). Empty this set as each lands (its reader check then passes and the xfail turns red).
 PENDING = {
-    "use_distributed_optimizer", "optimizer_cpu_offload", "optimizer_offload_fraction",
-    "check_for_nan_in_loss_and_grad", "distributed_timeout_minutes", "log_probs_chunk_size",
     "offload_train", "disable_weights_backuper",
 }
 
