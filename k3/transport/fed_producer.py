@@ -87,7 +87,8 @@ class FedProducer(AdapterProducer):
             gathered = self.group.gather(own)
         except Exception as e:  # noqa: BLE001 - a peer died or the group timed out: name the chunk
             raise HandoffError(f"engine {engine}: gathering the rank payloads of chunk {index} of version "
-                               f"{header.version} failed on trainer rank {self.group.rank}: {type(e).__name__}: {e}") from e
+                               f"{header.version} failed on trainer rank {self.group.rank}: "
+                               f"{type(e).__name__}: {e}") from e
         outcome = self._deliver(header, gathered, key) if self.group.is_source else None
         del gathered
         try:

@@ -61,9 +61,9 @@ def plan_engine_nodes(num_engines: int, engine_tp: int,
         if any(node_ranks != ranks[k * per_node:(k + 1) * per_node] for k, node_ranks in enumerate(by_node.values())):
             where = "; ".join(f"node {ip}: ranks {v} on GPUs {[list(bundles[r][1]) for r in v]}"
                               for ip, v in by_node.items())
-            raise ValueError(f"engine {e}'s training ranks interleave over its nodes ({where}): SGLang puts TP ranks "
-                             f"k·{per_node} … (k+1)·{per_node} − 1 on its k-th node, so each engine rank would sit on "
-                             "another training rank's GPU and open adapter payloads made elsewhere; place each "
+            raise ValueError(f"engine {e}'s training ranks interleave over its nodes ({where}): SGLang puts TP "
+                             f"ranks k·{per_node} … (k+1)·{per_node} − 1 on its k-th node, so each engine rank would "
+                             "sit on another training rank's GPU and open adapter payloads made elsewhere; place each "
                              "engine's ranks node by node")
         nodes = []
         for k, (ip, node_ranks) in enumerate(by_node.items()):

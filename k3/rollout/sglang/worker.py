@@ -233,6 +233,6 @@ def _check_head_devices(engine_index: int, slots: tuple[RankSlot, ...], visible:
     head = [s for s in slots if s.node == slots[0].node]
     if [s.gpu for s in head] != [str(v) for v in visible]:
         raise ValueError(f"engine {engine_index}: the head's CUDA_VISIBLE_DEVICES {list(visible)} on node "
-                         f"{slots[0].node} are not the GPUs {[s.gpu for s in head]} of its engine ranks 0..{len(head) - 1} "
-                         f"(trainer ranks {[s.rank for s in head]}), in order: SGLang's TP rank j on that node would "
-                         "open payloads made on another GPU")
+                         f"{slots[0].node} are not the GPUs {[s.gpu for s in head]} of its engine ranks "
+                         f"0..{len(head) - 1} (trainer ranks {[s.rank for s in head]}), in order: SGLang's TP rank j "
+                         "on that node would open payloads made on another GPU")
