@@ -62,7 +62,7 @@ class FedProducer(AdapterProducer):
                  on_bucket: Callable[[torch.Tensor], None] | None = None, same_process: bool = False) -> None:
         if (conn is not None) != group.is_source:
             raise ValueError(f"engine {group.feed.engine_index}: trainer rank {group.rank} "
-                             f"{'is its source and needs' if group.is_source else 'is not its source and takes no'} "
+                             f"{'is its source and needs a' if group.is_source else 'is not its source and takes no'} "
                              "connection to the engine")
         super().__init__(conn, transfer_buffer=transfer_buffer, ack_timeout_s=ack_timeout_s, on_bucket=on_bucket,
                          same_process=same_process)

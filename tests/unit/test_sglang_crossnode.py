@@ -499,3 +499,28 @@ def test_connect_engines_joins_the_feeds_after_connecting():
     assert [c[0] for c in group.calls] == ["each"]
     with pytest.raises(TrainingError, match="engine 1 would be fed from trainer rank 2, but trainer rank 1 is"):
         connect_engines(Group(), [Engine(0, None), Engine(1, feeds[1])], ranks_per_engine=1)
+
+
+def test_joining_feeds_without_a_process_group_and_bad_feeds():
+    from k3.transport.fed_producer import FedProducer
+    from k3.transport.feed_group import FeedGroup, join_feeds
+
+    maker = lambda *a: (b"", None)  # noqa: E731
+    one = RankFeed(0, (RankSlot(0, "n", None),), maker)
+    group = join_feeds([one], 0, "n", None)  # a feed of one rank: no group, no process group needed
+    assert group.is_source and group.size == 1 and group.gather("p") == ["p"] and group.share("a") == "a"
+    assert join_feeds([one], 1, "n", None) is None  # a rank that feeds no engine
+    with pytest.raises(RankFeedError, match=r"engine 0 rank 0 \(trainer rank 0, node n, GPU None\) takes its adapter "
+                                            r"payloads from trainer rank 0, which runs on node m"):
+        join_feeds([one], 0, "m", None)
+    two = RankFeed(1, (RankSlot(2, "n", None), RankSlot(3, "n", None)), maker)
+    with pytest.raises(RankFeedError, match=r"engine 1 is fed by trainer ranks \[2, 3\], but this trainer has no "
+                                            "process group"):
+        join_feeds([two], 2, "n", None)
+    with pytest.raises(RankFeedError, match="trainer rank 0 would feed both engine 0 and engine 2"):
+        join_feeds([one, RankFeed(2, (RankSlot(0, "n", None),), maker)], 0, "n", None)
+    with pytest.raises(ValueError, match="needs their Gloo group"):
+        FeedGroup(two, 2, "n", None)
+    # Only the source talks to the engine.
+    with pytest.raises(ValueError, match="trainer rank 0 is its source and needs a connection to the engine"):
+        FedProducer(None, group, chunk_digest)
