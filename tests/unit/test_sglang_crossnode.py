@@ -524,3 +524,86 @@ def test_joining_feeds_without_a_process_group_and_bad_feeds():
     # Only the source talks to the engine.
     with pytest.raises(ValueError, match="trainer rank 0 is its source and needs a connection to the engine"):
         FedProducer(None, group, chunk_digest)
+
+
+# ============================================================================ one GPU: the feed over CUDA IPC
+def _pickled_bucket(bucket, names, shapes, with_checksums):
+    """A test ``make_payload`` without SGLang: the bucket itself, pickled as torch shares it (a CUDA IPC handle)."""
+    import io
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401 - registers torch's tensor reductions
+
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(bucket)
+    return buf.getvalue(), None
+
+
+class _PayloadOpener:
+    """A receiver in another process that opens the one payload of each chunk and acks with its digest; a payload
+    that does not say it lies on a GPU is refused."""
+
+    def receive(self, header, payloads):
+        import pickle
+
+        from k3.transport.handoff import Ack, digest_tensors, unflatten
+
+        (p,) = payloads.payloads
+        if p.gpu is None:
+            return Ack(header.version, header.index, ok=False, error="the payload does not lie on a GPU")
+        bucket = pickle.loads(p.data)
+        digest = digest_tensors([(n, t.clone()) for n, t in unflatten(bucket, header.names, header.shapes)])
+        del bucket
+        torch.cuda.synchronize()
+        return Ack(header.version, header.index, ok=True, digest=digest)
+
+
+def _make_payload_opener():
+    return _PayloadOpener()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("buffered", [False, True], ids=["fresh-buckets", "transfer-buffer"])
+def test_cuda_rank_payload_arrives_bit_exact_and_is_freed_after_the_ack(buffered):
+    from k3.transport.fed_producer import FedProducer
+    from k3.transport.feed_group import join_feeds
+    from k3.transport.handoff import TransferBuffer, digest_tensors, spawn_receiver
+    from k3.transport.rank_feed import this_node
+
+    gpu = this_gpu("cuda:0")
+    feed = RankFeed(0, (RankSlot(0, this_node(), gpu),), _pickled_bucket)
+    group = join_feeds([feed], 0, this_node(), gpu)
+    proc, conn = spawn_receiver(_make_payload_opener)
+    producer = FedProducer(conn, group, chunk_digest, transfer_buffer=TransferBuffer("cuda:0") if buffered else None,
+                           ack_timeout_s=120)
+    try:
+        torch.cuda.synchronize()
+        baseline = torch.cuda.memory_allocated()
+        for version in (1, 2, 3):
+            chunks = [AdapterChunk([(n, t.to("cuda:0", torch.bfloat16)) for n, t in c.tensors], c.version,
+                                   c.is_first, c.is_last, config=c.config) for c in adapter(version)]
+            want = [digest_tensors(c.tensors) for c in chunks]
+            got = []
+            for index, c in enumerate(chunks):
+                got.append(producer.send_chunk(c, index).digest)
+            del c
+            assert got == want and producer.version_digests == [chunk_digest(c.tensors) for c in chunks]
+            del chunks
+            torch.cuda.synchronize()
+            held = torch.cuda.memory_allocated() - baseline
+            # Fresh buckets are freed after each ack; the transfer buffer stays (the largest chunk).
+            largest = max(sum(t.numel() for _, t in c.tensors) for c in adapter(1)) * 2
+            assert held == 0 if not buffered else 0 < held <= 2 * largest + 2**20, held
+    finally:
+        producer.close()
+        proc.join(timeout=60)
+
+
+def test_the_feed_groups_take_the_runs_distributed_timeout():
+    from types import SimpleNamespace
+
+    from k3.rl.trainer_worker import _feed_group_timeout
+    from k3.settings.worker import WorkerSpec
+
+    assert _feed_group_timeout(WorkerSpec(model_dir="m", lora=lora())) is None  # torch's default until set
+    assert _feed_group_timeout(SimpleNamespace(distributed_timeout_minutes=45)) == timedelta(minutes=45)
