@@ -6,7 +6,8 @@ IPC handle, a CPU bucket as a shared-memory segment — the same code path. The 
 the chunk out of the bucket, drops its reference, and only then acks, so:
 
 * the producer keeps the bucket alive until the ack (and, with several producers feeding one engine, until
-  every producer has crossed ``barrier``), then releases it and, on CUDA, runs ``torch.cuda.ipc_collect()``;
+  every producer has crossed ``barrier``; an engine fed rank by rank: ``k3.transport.fed_producer``), then
+  releases it and, on CUDA, runs ``torch.cuda.ipc_collect()``;
 * a persistent ``TransferBuffer`` can be overwritten by the next chunk as soon as the ack arrives. It is shared
   once per allocation; its chunks then travel as small ``BufferSlice`` headers, ordered on CUDA by an
   interprocess event instead of a host sync.
