@@ -69,17 +69,35 @@ def feeding_ranks(num_engines: int, ranks_per_engine: int, world_size: int) -> l
 def connect_engines(trainer: Any, engines: Sequence[Any], ranks_per_engine: int = 1) -> None:
     """Open each engine's adapter socket and connect the trainer rank that feeds it (recipe §4.5: the first
     rank on the engine's GPUs, :func:`feeding_ranks`); under a trainer group every other rank exports without
-    sending (``TrainerWorker.export_only``: the export is collective). A one-rank trainer feeds one engine."""
+    sending (``TrainerWorker.export_only``: the export is collective). A one-rank trainer feeds one engine.
+
+    An engine that asks to be fed rank by rank (its ``rank_feed``: each engine rank's payload from the trainer rank
+    on its GPU, the only way into an engine that spans nodes) then has every trainer rank join its feed
+    (``TrainerWorker.join_rank_feeds``, collective)."""
     if not is_trainer_group(trainer):
         if len(engines) != 1:
             raise TrainingError(f"{len(engines)} rollout engines need one adapter sender each (the first trainer "
                                 "rank on each engine's GPUs); this trainer is one rank, which feeds one engine")
         trainer.call("connect", *engines[0].call("listen"))
-        return
-    feeders = feeding_ranks(len(engines), ranks_per_engine, trainer.world_size)
-    addresses = dict(zip(feeders, call_all(engines, "listen")))
-    trainer.call_each([("connect", tuple(addresses[r])) if r in addresses else ("export_only", ())
-                       for r in range(trainer.world_size)])
+        feeders = [0]
+    else:
+        feeders = feeding_ranks(len(engines), ranks_per_engine, trainer.world_size)
+        addresses = dict(zip(feeders, call_all(engines, "listen")))
+        trainer.call_each([("connect", tuple(addresses[r])) if r in addresses else ("export_only", ())
+                           for r in range(trainer.world_size)])
+    feeds = [_rank_feed(engine) for engine in engines]
+    for k, feed in enumerate(feeds):
+        if feed is not None and feed.source_rank != feeders[k]:
+            raise TrainingError(f"engine {k} would be fed from trainer rank {feed.source_rank}, but trainer rank "
+                                f"{feeders[k]} is the one on its first GPU (its adapter socket's sender)")
+    if any(feed is not None for feed in feeds):
+        trainer.call("join_rank_feeds", [feed for feed in feeds if feed is not None])
+
+
+def _rank_feed(engine: Any) -> Any:
+    """The engine's ``RankFeed`` when it is fed rank by rank, else None (an engine without the notion)."""
+    has = getattr(engine, "has", None)
+    return engine.call("rank_feed") if has is not None and has("rank_feed") else None
 
 
 def shutdown_engines(engines: Sequence[Any]) -> None:

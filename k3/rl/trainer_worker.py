@@ -5,7 +5,10 @@ rollout engine that rank feeds.
 
 Adapter sync goes trainer → engine over a ``multiprocessing`` connection (a Unix socket the engine listens on):
 the ``AdapterProducer`` here sends one flattened bucket per chunk (shared memory on CPU, CUDA IPC on GPU) and
-waits for the engine's ack; the engine activates a version only when it is complete.
+waits for the engine's ack; the engine activates a version only when it is complete. An engine fed rank by rank
+(SGLang, recipe §4.5: ``join_rank_feeds``) takes from every trainer rank on its GPUs that rank's own payload of
+each chunk (``k3.transport.fed_producer``): the ranks gather them to the source over a Gloo group, the source
+hands them to the engine, and every rank frees its bucket only after the engine's answer.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import os
 import socket
 import struct
 import time
+from collections.abc import Sequence
+from datetime import timedelta
 from multiprocessing.connection import Client, Connection
 from typing import Any
 
@@ -30,9 +35,12 @@ from k3.rollout.lora_model import load_lora_model
 from k3.settings.train import BACKENDS
 from k3.settings.worker import WorkerSpec
 from k3.tokenizer import load_tokenizer
+from k3.transport.fed_producer import FedProducer
+from k3.transport.feed_group import join_feeds
 from k3.transport.handoff import AdapterProducer, HandoffError, TransferBuffer
 from k3.transport.leakcheck import LeakCheck
 from k3.transport.memory_cap import apply_gpu_memory_fraction
+from k3.transport.rank_feed import RankFeed, this_gpu, this_node
 
 __all__ = ["TrainerWorker"]
 
@@ -92,11 +100,34 @@ class TrainerWorker:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
+        self._producer = AdapterProducer(conn, transfer_buffer=self._transfer_buffer(), on_bucket=self.leak.track,
+                                         same_process=_peer_pid(conn) == os.getpid())
+        self._export_only = False
+
+    def _transfer_buffer(self) -> TransferBuffer | None:
         # The export is BF16 (the serving contract); the buffer stays allocated across syncs by design, so the leak
         # gate sees it in its baseline and tracks only fresh buckets.
-        buffer = TransferBuffer(self.spec.device, torch.bfloat16) if self.spec.transfer_buffer else None
-        self._producer = AdapterProducer(conn, transfer_buffer=buffer, on_bucket=self.leak.track,
-                                         same_process=_peer_pid(conn) == os.getpid())
+        return TransferBuffer(self.spec.device, torch.bfloat16) if self.spec.transfer_buffer else None
+
+    def join_rank_feeds(self, feeds: Sequence[RankFeed]) -> None:
+        """Join the engines fed rank by rank (recipe §4.5); collective over every trainer rank, after
+        :meth:`connect` / :meth:`export_only`. Every rank creates every feed's Gloo group; a rank in a feed checks
+        that it runs on its engine rank's node and GPU, and from then on sends its own payload of every chunk
+        (``FedProducer``): the source through the connection :meth:`connect` opened, the others through the
+        source. A rank in no feed keeps what it had."""
+        group = join_feeds(feeds, self.rank, this_node(), this_gpu(self.spec.device),
+                           timeout=_feed_group_timeout(self.spec))
+        if group is None:
+            return
+        conn, same_process = None, False
+        if group.is_source:
+            if self._producer is None:
+                raise RuntimeError(f"trainer rank {self.rank} is the source of engine {group.feed.engine_index}'s "
+                                   "feed but has no connection to it: connect() first")
+            conn, same_process = self._producer.conn, self._producer.same_process
+        buffer = self._producer.transfer_buffer if self._producer is not None else self._transfer_buffer()
+        self._producer = FedProducer(conn, group, chunk_digest, transfer_buffer=buffer, on_bucket=self.leak.track,
+                                     same_process=same_process)
         self._export_only = False
 
     # -- GRPO
@@ -126,6 +157,7 @@ class TrainerWorker:
 
         # Each chunk is exported straight into the bucket (or transfer buffer) it travels in: no staging copy.
         into = None if self._producer is None else self._producer.bucket_for
+        fed = isinstance(self._producer, FedProducer)  # it digests each chunk itself, next to its payload
 
         def counted():
             nonlocal n
@@ -133,7 +165,8 @@ class TrainerWorker:
                       else export_chunks(self.policy.model, version, device=self.spec.device, out=into))
             for chunk in chunks:
                 n += 1
-                digests.append(chunk_digest(chunk.tensors))
+                if not fed:
+                    digests.append(chunk_digest(chunk.tensors))
                 yield chunk
 
         if self._producer is None:  # export_only: run the collective stream to its end, send nothing
@@ -151,6 +184,8 @@ class TrainerWorker:
             raise
         if not ack.ok:
             raise RuntimeError(f"the engine rejected adapter version {version}: {ack.error}")
+        if fed:
+            digests = list(self._producer.version_digests)
         return self._sync_result(version, n, t0, before, active_version=ack.active_version, fed=True,
                                  digests=digests)
 
@@ -224,6 +259,12 @@ def _refuse_megatron_only(spec: WorkerSpec) -> None:
     if set_:
         raise ValueError(f"{', '.join(set_)}: only the megatron backend applies these (the torch backend trains one "
                          "rank with a plain torch optimizer); use --backend megatron, or leave them off")
+
+
+def _feed_group_timeout(spec: WorkerSpec) -> timedelta:
+    """The collective timeout of the rank feeds' Gloo groups: the run's ``distributed_timeout_minutes``, as every
+    other process group of the run."""
+    return timedelta(minutes=float(spec.distributed_timeout_minutes))
 
 
 def _peer_pid(conn: Connection) -> int | None:

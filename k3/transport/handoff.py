@@ -6,7 +6,8 @@ IPC handle, a CPU bucket as a shared-memory segment — the same code path. The 
 the chunk out of the bucket, drops its reference, and only then acks, so:
 
 * the producer keeps the bucket alive until the ack (and, with several producers feeding one engine, until
-  every producer has crossed ``barrier``), then releases it and, on CUDA, runs ``torch.cuda.ipc_collect()``;
+  every producer has crossed ``barrier``; an engine fed rank by rank: ``k3.transport.fed_producer``), then
+  releases it and, on CUDA, runs ``torch.cuda.ipc_collect()``;
 * a persistent ``TransferBuffer`` can be overwritten by the next chunk as soon as the ack arrives. It is shared
   once per allocation; its chunks then travel as small ``BufferSlice`` headers, ordered on CUDA by an
   interprocess event instead of a host sync.
@@ -291,7 +292,8 @@ class AdapterProducer:
     """The sending end of one connection to a receiver.
 
     Args:
-        conn: a ``multiprocessing`` connection to the receiver (see ``spawn_receiver``).
+        conn: a ``multiprocessing`` connection to the receiver (see ``spawn_receiver``); None only for a producer
+            that sends through another rank (``k3.transport.fed_producer``).
         transfer_buffer: copy every chunk into this persistent buffer instead of a fresh bucket per chunk.
         ack_timeout_s: how long to wait for each ack (seconds).
         barrier: called after each ack and before the bucket is released; with several producers feeding one
@@ -305,7 +307,7 @@ class AdapterProducer:
 
     def __init__(
         self,
-        conn: Connection,
+        conn: Connection | None,
         transfer_buffer: TransferBuffer | None = None,
         ack_timeout_s: float = 60.0,
         barrier: Callable[[], None] | None = None,
@@ -380,22 +382,13 @@ class AdapterProducer:
         """
         if self._closed:
             raise HandoffError("producer is closed")
+        if self.conn is None:
+            raise HandoffError("this producer has no connection to a receiver: it sends through its feed's source")
         if self.transfer_buffer is not None:
             self._check_buffer_free()
         elif self.unacked:
             self.collect()
-        names = tuple(n for n, _ in chunk.tensors)
-        tensors = [t for _, t in chunk.tensors]
-        if not tensors:
-            raise HandoffError(f"chunk {index} of version {chunk.version} has no tensors")
-        dtypes = {t.dtype for t in tensors}
-        devices = {t.device for t in tensors}
-        if len(dtypes) != 1 or len(devices) != 1:
-            raise HandoffError(f"chunk {index} mixes dtypes {dtypes} / devices {devices}: one bucket needs one of each")
-        header = ChunkHeader(
-            version=chunk.version, index=index, is_first=chunk.is_first, is_last=chunk.is_last, names=names,
-            shapes=tuple(tuple(t.shape) for t in tensors), dtype=tensors[0].dtype, config=dict(chunk.config),
-        )
+        header, tensors = self._header_of(chunk, index)
         del chunk  # a chunk exported in place is views of its bucket: no frame of a failed send may keep it
         bucket = self._bucket_of(tensors, header, index)
         if self.same_process:
@@ -426,6 +419,23 @@ class AdapterProducer:
         if not ack.ok:
             raise HandoffRejected(f"receiver rejected chunk {index} of version {header.version}: {ack.error}")
         return ack
+
+    @staticmethod
+    def _header_of(chunk: ChunkLike, index: int) -> tuple[ChunkHeader, list[torch.Tensor]]:
+        """The header of ``chunk`` as chunk ``index`` of its version, and its tensors in order."""
+        names = tuple(n for n, _ in chunk.tensors)
+        tensors = [t for _, t in chunk.tensors]
+        if not tensors:
+            raise HandoffError(f"chunk {index} of version {chunk.version} has no tensors")
+        dtypes = {t.dtype for t in tensors}
+        devices = {t.device for t in tensors}
+        if len(dtypes) != 1 or len(devices) != 1:
+            raise HandoffError(f"chunk {index} mixes dtypes {dtypes} / devices {devices}: one bucket needs one of each")
+        header = ChunkHeader(
+            version=chunk.version, index=index, is_first=chunk.is_first, is_last=chunk.is_last, names=names,
+            shapes=tuple(tuple(t.shape) for t in tensors), dtype=tensors[0].dtype, config=dict(chunk.config),
+        )
+        return header, tensors
 
     def _bucket_of(self, tensors: list[torch.Tensor], header: ChunkHeader, index: int) -> torch.Tensor:
         """The bucket that carries the chunk: the ``bucket_for`` destination it was exported into, else a copy of
@@ -504,6 +514,8 @@ class AdapterProducer:
 
     def collect(self) -> int:
         """Release buckets whose late acks have arrived; returns how many are still unacked."""
+        if self.conn is None:  # acks reach the feed's source, which shares them (k3.transport.fed_producer)
+            return len(self.unacked)
         try:
             while self.unacked and self.conn.poll(0):
                 ack = self.conn.recv()
@@ -602,7 +614,8 @@ class AdapterProducer:
             self._closed = True
             self._handed_out = None
             try:
-                self.conn.send(_CLOSE)
+                if self.conn is not None:
+                    self.conn.send(_CLOSE)
             except (BrokenPipeError, OSError):
                 pass
             if self.transfer_buffer is not None:
@@ -672,6 +685,9 @@ class AdapterReceiver:
         return Ack(header.version, header.index, ok=False, error=error, active_version=self.active_version)
 
     def _receive(self, h: ChunkHeader, bucket: torch.Tensor, consumed: "torch.cuda.Event | None") -> str | None:
+        if not isinstance(bucket, torch.Tensor):
+            raise _Reject(f"version {h.version} chunk {h.index} came as {type(bucket).__name__}; this receiver takes "
+                          "one bucket per chunk (per-rank payloads are for an engine fed rank by rank)")
         if h.is_first:
             if h.index != 0:
                 raise _Reject(f"chunk marked is_first has index {h.index}")

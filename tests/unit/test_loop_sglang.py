@@ -17,6 +17,7 @@ import importlib
 import importlib.util
 import inspect
 import json
+import os
 import sys
 from multiprocessing.connection import Client
 from pathlib import Path
@@ -107,7 +108,9 @@ class RecordingTrainer(TrainerWorker):
     def update_weights(self, version: int):
         import sglang
 
-        sglang.record("trainer", "update_weights", version=version)
+        from k3.transport.fed_producer import FedProducer
+
+        sglang.record("trainer", "update_weights", version=version, fed=isinstance(self._producer, FedProducer))
         out = super().update_weights(version)
         sglang.record("trainer", "update_weights_done", version=version)
         return out
@@ -194,6 +197,12 @@ def test_loop_drives_sglang_in_the_recipes_order(fake_sglang, tiny, monkeypatch,
     n_chunks = len(chunk_layout(variant("tiny"), LoRAConfig(rank=16, alpha=32)))
     assert len(claims) == (3 * n_chunks if buffered else 0)  # every chunk of the 3 versions through the buffer
     assert rendered(fake_sglang.TIMELINE) == expected_timeline(peak, streamed, n_chunks)
+    # Streamed, the engine is fed rank by rank: its one rank's payload is the trainer's own bucket, serialized by
+    # the trainer and passed to SGLang as it is. Whole, the head builds one bucket per version (one node only).
+    fed = [d["fed"] for source, call, d in fake_sglang.TIMELINE if (source, call) == ("trainer", "update_weights")]
+    assert fed == [streamed] * 3
+    pids = [d["payload_pids"] for _, call, d in fake_sglang.TIMELINE if call == "load_lora_adapter_from_tensors"]
+    assert pids and all(p == [os.getpid()] for p in pids)
     # Adapters change only while generation is paused, and never with the weights released.
     for _, call, d in fake_sglang.TIMELINE:
         if call in ("load_lora_adapter_from_tensors", "unload_lora_adapter", "update_weight_version"):

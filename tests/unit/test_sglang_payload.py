@@ -333,6 +333,13 @@ class RecordingBackend:
         self.received.append([(n, t.clone()) for n, t in unflatten_lora_payload(flat, entries)])
         self.checksums = checksums
 
+    def load_lora_payloads(self, name, config, per_rank, stream_flags, checksums):
+        self.loads += 1
+        if self.fail_on_load == self.loads:
+            raise SGLangError("out of host memory")
+        self.calls.append(("payloads", name, stream_flags, tuple(per_rank), checksums is not None))
+        self.checksums = checksums
+
     def unload_lora(self, name):
         self.calls.append(("unload", name))
 
@@ -704,3 +711,58 @@ def test_begin_adapter_checks_like_load_adapter():
     with pytest.raises(EngineStateError, match="weights are released"):
         e.begin_adapter(3)
     assert not e.is_paused
+
+
+# ============================================================================ per-rank payloads (an engine fed rank by rank)
+def meta_chunk(c: AdapterChunk) -> AdapterChunk:
+    """What the forwarder hands the engine for per-rank payloads: names, shapes and flags, no data."""
+    return AdapterChunk([(n, torch.empty(t.shape, dtype=t.dtype, device="meta")) for n, t in c.tensors], c.version,
+                        c.is_first, c.is_last, config=dict(c.config))
+
+
+def test_per_rank_payloads_go_to_sglang_as_they_are_in_stream_order():
+    b = RecordingBackend(streamed=True)
+    e = engine(b, server={"tp_size": 2})
+    e.load_adapter(version_chunks(1), 1)
+    b.calls.clear()
+    load = e.begin_adapter(2)
+    chunks = version_chunks(2)
+    for k, c in enumerate(chunks):
+        load.add_payloads(meta_chunk(c), [f"r0c{k}".encode(), f"r1c{k}".encode()], f"digest{k}", None)
+    load.finish()
+    assert b.calls == [("pause", "retract"), ("flush",), ("unload", LORA_NAME),
+                       ("payloads", LORA_NAME, (True, False), (b"r0c0", b"r1c0"), False),
+                       ("payloads", LORA_NAME, (False, False), (b"r0c1", b"r1c1"), False),
+                       ("payloads", LORA_NAME, (False, True), (b"r0c2", b"r1c2"), False),
+                       ("weight_version", "2"), ("continue",)]
+    # The report holds the digests the payloads came with (the trainer ranks' own, checked equal by the feed).
+    assert e.adapter_version() == 2 and e.adapter_report()["chunk_digests"] == {0: "digest0", 1: "digest1",
+                                                                                 2: "digest2"}
+
+
+def test_per_rank_payloads_are_refused_where_they_cannot_be_loaded():
+    chunks = version_chunks(1)
+    # Whole mode makes one bucket per version on the head: it cannot take payloads made elsewhere.
+    e = engine(RecordingBackend(streamed=False), server={"tp_size": 2})
+    load = e.begin_adapter(1)
+    with pytest.raises(SGLangError, match="per-rank payloads need the streamed load mode"):
+        load.add_payloads(meta_chunk(chunks[0]), [b"a", b"b"], "d", None)
+    assert not load.is_open and e.adapter_version() == 0 and not e.is_paused
+    # One payload per engine rank, no more, no less; nothing is sent otherwise.
+    b = RecordingBackend(streamed=True)
+    e = engine(b, server={"tp_size": 2})
+    with pytest.raises(SGLangError, match="chunk 0 came with 3 rank payloads for 2 engine ranks"):
+        e.begin_adapter(1).add_payloads(meta_chunk(chunks[0]), [b"a", b"b", b"c"], "d", None)
+    assert not any(c[0] == "payloads" for c in b.calls)
+    # An engine that verifies checksums needs them with every chunk.
+    e = engine(b, server={"tp_size": 2}, verify_checksums=True)
+    with pytest.raises(SGLangError, match="came without tensor checksums"):
+        e.begin_adapter(1).add_payloads(meta_chunk(chunks[0]), [b"a", b"b"], "d", None)
+    load = e.begin_adapter(1)
+    load.add_payloads(meta_chunk(chunks[0]), [b"a", b"b"], "d", {"x": "sha"})
+    assert b.calls[-1][0] == "payloads" and b.checksums == {"x": "sha"}
+    # The stream's own checks hold as for tensors: a second first chunk is refused and the partial version goes.
+    with pytest.raises(AdapterVersionError, match="only the first chunk of a version is marked first"):
+        load.add_payloads(meta_chunk(chunks[0]), [b"a", b"b"], "d", {"x": "sha"})
+    assert b.calls[-3:] == [("unload", LORA_NAME), ("weight_version", "0"), ("continue",)]
+    assert e.adapter_version() == 0 and not e.is_paused

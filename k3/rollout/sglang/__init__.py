@@ -17,10 +17,22 @@ How the protocol maps onto SGLang (``miles-k3-recipe.md`` §4.5, §5):
 | ``release_memory(tags)`` | ``flush_cache`` then ``release_memory_occupation(tags)`` |
 | ``resume_memory(tags)`` | ``resume_memory_occupation(tags)`` |
 
-Adapter transport. Each chunk is flattened into one SGLang ``FlattenedTensorBucket`` (one flat ``uint8``
-tensor plus per-tensor byte ranges, ``payload.build_lora_payload``), serialized once per engine TP rank with
-SGLang's ``MultiprocessingSerializer`` (a CUDA IPC handle for a GPU bucket, shared memory for a CPU one) and
-sent with ``load_format="flattened_bucket"``. Two load modes, picked from the installed SGLang:
+Adapter transport. SGLang takes each chunk as one serialized ``FlattenedTensorBucket`` per engine TP rank (one
+flat ``uint8`` tensor plus per-tensor byte ranges, serialized with SGLang's ``MultiprocessingSerializer``: a CUDA
+IPC handle for a GPU bucket, shared memory for a CPU one; ``load_format="flattened_bucket"``), and TP rank ``i``
+opens entry ``i``. A CUDA IPC handle opens only on the node that made it, so, as in the recipe (§4.5), engine rank
+``i`` gets the payload that the trainer rank on its GPU (training rank ``e·TP + i``) made of its own full copy of
+the chunk: the engine is *fed rank by rank* (``k3.transport.rank_feed``). Every trainer rank of the engine puts the
+chunk in its own bucket, serializes that bucket's bytes as they are (``rank_payload``), and the payloads — handle
+bytes only — are gathered to the source rank over a Gloo group per engine (``k3.transport.feed_group``); the source
+hands the list to the head, which checks each payload was made by its engine rank's trainer rank, on that node and
+GPU, of the same chunk as the source's (chunk digests equal), and passes the list to SGLang unchanged; every trainer
+rank frees its bucket only after SGLang replied (``k3.transport.fed_producer``). With ``verify_checksums`` the source
+sends each tensor's SHA-256 and SGLang checks every rank's payload against them. This is the only way into an
+engine that spans nodes (TP16 over 4 nodes of 4 GPUs). Without rank slots (an in-process engine wider than one GPU)
+or in ``whole`` mode, the head builds one bucket from its source rank's and serializes it once per TP rank
+(``payload.build_lora_payload``) — valid on one node only: ``whole`` mode refuses an engine that spans nodes.
+Two load modes, picked from the installed SGLang:
 
 * ``streamed`` — one ``load_lora_adapter_from_tensors`` per chunk with ``is_first_chunk``/``is_last_chunk``
   (the recipe's SGLang build accumulates the chunks and finalizes the adapter after the last one). Used when
@@ -53,9 +65,10 @@ with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` (otherwise SGLang returns them after t
 The package, one concept per module (lowest first): ``errors``; ``surface`` (the pinned release, every name of
 SGLang used, the require/version checks); ``server_args``, ``sampling``, ``results`` (a run's flags, the
 protocol's sampling and SGLang's results mapped onto each other); ``payload`` (the flattened bucket);
-``backend`` (every call into sglang); ``version_stream`` (one version's chunk stream checked);
-``engine`` (``SGLangEngine``, ``AdapterLoad``); ``forwarder`` (the hand-off's chunks into an engine);
-``placement`` (which training ranks' bundles hold each engine's nodes); ``worker`` (one node of one engine, the
+``backend`` (every call into sglang); ``rank_payload`` (one engine rank's payload, made on a trainer rank);
+``version_stream`` (one version's chunk stream checked); ``engine`` (``SGLangEngine``, ``AdapterLoad``);
+``forwarder`` (the hand-off's chunks into an engine); ``placement`` (which training ranks' bundles hold each
+engine's nodes, and each engine rank's trainer rank, node and GPU); ``worker`` (one node of one engine, the
 loop's worker); ``start`` (every engine of a run, under Ray or in process); ``kind`` (what the loop and the
 launcher know of it: its entry in ``k3.rollout.registry``; cheap to import).
 """

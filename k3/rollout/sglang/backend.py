@@ -51,18 +51,31 @@ class SGLangBackend:
                                     lora_path=lora_path)
         return list(out) if isinstance(out, list) else [out]
 
-    def load_lora_bucket(self, lora_name: str, config: dict[str, Any], flat: torch.Tensor,
-                         entries: Sequence[BucketEntry], stream_flags: tuple[bool, bool] | None,
-                         checksums: dict[str, str] | None) -> None:
-        from sglang.srt.managers.io_struct import LoadLoRAAdapterFromTensorsReqInput
+    @staticmethod
+    def serialize_bucket(flat: torch.Tensor, entries: Sequence[BucketEntry]) -> bytes:
+        """One engine rank's payload: the flattened bucket (``flat``: 1-D ``uint8``, ``entries`` its tensors) as
+        SGLang's worker deserializes it, serialized by SGLang (a CUDA IPC handle keyed by the device's UUID, or a
+        shared-memory name). Needs no engine: the trainer ranks that feed an engine rank by rank call it too."""
         from sglang.srt.utils.common import MultiprocessingSerializer
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
 
         monkey_patch_torch_reductions()  # CUDA IPC handles keyed by device UUID, as SGLang's receiver expects
-        payload = sglang_bucket_payload(flat, entries, FlattenedTensorMetadata)
-        # One serialization per TP rank: each rank drops its own IPC reference after loading.
-        per_rank = [MultiprocessingSerializer.serialize(payload) for _ in range(self.tp_size)]
+        return MultiprocessingSerializer.serialize(sglang_bucket_payload(flat, entries, FlattenedTensorMetadata))
+
+    def load_lora_bucket(self, lora_name: str, config: dict[str, Any], flat: torch.Tensor,
+                         entries: Sequence[BucketEntry], stream_flags: tuple[bool, bool] | None,
+                         checksums: dict[str, str] | None) -> None:
+        """Load one bucket held here, serialized once per TP rank (each rank drops its own IPC reference after
+        loading): every rank opens a handle made on this process's device, so the engine must be on this node."""
+        per_rank = [self.serialize_bucket(flat, entries) for _ in range(self.tp_size)]
+        self.load_lora_payloads(lora_name, config, per_rank, stream_flags, checksums)
+
+    def load_lora_payloads(self, lora_name: str, config: dict[str, Any], per_rank: list[bytes],
+                           stream_flags: tuple[bool, bool] | None, checksums: dict[str, str] | None) -> None:
+        """Load one chunk (or a whole adapter) from ``per_rank[i]``, TP rank ``i``'s serialized bucket, as it is."""
+        from sglang.srt.managers.io_struct import LoadLoRAAdapterFromTensorsReqInput
+
         if stream_flags is None:
             request = LoadLoRAAdapterFromTensorsReqInput(
                 lora_name=lora_name, config_dict=config, serialized_named_tensors=per_rank,

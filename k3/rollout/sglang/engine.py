@@ -66,6 +66,7 @@ class SGLangEngine:
             raise ValueError("server_args: enable_lora is not set, so the engine could never take an adapter "
                              "(build them with build_server_args)")
         self.server_args = dict(server_args)
+        self.tp_size = int(server_args.get("tp_size", 1))  # engine ranks: one payload each per load
         self._backend = backend if backend is not None else SGLangBackend(self.server_args)
         streamed = bool(getattr(self._backend, "supports_streamed_load", False))
         if load_mode == "streamed" and not streamed:
@@ -330,6 +331,38 @@ class AdapterLoad:
             engine._backend.load_lora_bucket(self._name, self._stream.config, flat, entries,
                                              (bool(chunk.is_first), bool(chunk.is_last)), checksums)
             del flat
+        except Exception as e:
+            raise self.abort(e) from e
+
+    def add_payloads(self, chunk: Any, payloads: Sequence[bytes], digest: str,
+                     checksums: dict[str, str] | None) -> None:
+        """Check ``chunk`` against the stream and send it to SGLang now as ``payloads``, engine rank ``i``'s
+        serialized bucket at ``i``, passed on as they are (``streamed`` only: an engine fed rank by rank).
+
+        ``chunk`` carries the chunk's names, shapes and place in the stream (its tensors may be on ``meta``: this
+        process never opens a payload, which is made for another process, often on another node); ``digest`` is
+        the chunk digest of the tensors in the payloads (the report's record); ``checksums`` each tensor's
+        SHA-256, sent for SGLang to check on every rank when ``verify_checksums``."""
+        self._check_open()
+        engine = self._engine
+        try:
+            if engine.load_mode != "streamed":
+                raise SGLangError(f"per-rank payloads need the streamed load mode (this engine loads "
+                                  f"{engine.load_mode!r}: one bucket per version, made here)")
+            if len(payloads) != engine.tp_size:
+                raise SGLangError(f"chunk {self._stream.count} came with {len(payloads)} rank payloads for "
+                                  f"{engine.tp_size} engine ranks")
+            if engine.verify_checksums and checksums is None:
+                raise SGLangError(f"chunk {self._stream.count} came without tensor checksums, which this engine "
+                                  "verifies (--check-weight-update-equal)")
+            self._stream.accept(chunk)
+            self._digests.append(digest)
+            if self._stream.count == 1 and not engine.atomic_swap:
+                engine._unload_current()
+            self._sent = True
+            engine._backend.load_lora_payloads(self._name, self._stream.config, list(payloads),
+                                               (bool(chunk.is_first), bool(chunk.is_last)),
+                                               checksums if engine.verify_checksums else None)
         except Exception as e:
             raise self.abort(e) from e
 

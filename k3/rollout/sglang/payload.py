@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["BucketEntry", "build_lora_payload", "sglang_bucket_payload", "tensor_checksums", "unflatten_lora_payload"]
+__all__ = ["BucketEntry", "bucket_entries", "build_lora_payload", "sglang_bucket_payload", "tensor_checksums",
+           "unflatten_lora_payload"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,22 @@ def build_lora_payload(chunk: Any) -> tuple[torch.Tensor, list[BucketEntry]]:
         parts.append(raw)
         offset += raw.numel()
     return torch.cat(parts), entries
+
+
+def bucket_entries(names: Sequence[str], shapes: Sequence[Sequence[int]], dtype: torch.dtype) -> list[BucketEntry]:
+    """Where each tensor of a hand-off bucket lies in its bytes: the bucket holds ``names`` with ``shapes``, all of
+    ``dtype``, back to back (``k3.transport.handoff.flatten_into``), so its ``uint8`` view is a flattened bucket
+    with these entries and needs no copy."""
+    if len(names) != len(shapes):
+        raise ValueError(f"bucket_entries: {len(names)} names for {len(shapes)} shapes")
+    entries, offset = [], 0
+    for name, shape in zip(names, shapes):
+        nbytes = dtype.itemsize
+        for dim in shape:
+            nbytes *= int(dim)
+        entries.append(BucketEntry(name, tuple(int(d) for d in shape), dtype, offset, offset + nbytes))
+        offset += nbytes
+    return entries
 
 
 def unflatten_lora_payload(flat: torch.Tensor, entries: Sequence[BucketEntry]) -> list[tuple[str, torch.Tensor]]:

@@ -1,6 +1,7 @@
 """Where the workers of every SGLang engine run: engine ``e`` takes the training ranks ``e·TP … (e+1)·TP − 1`` and
-one worker per node it spans, in the bundle of the first of its ranks on that node; and the node addresses and
-free ports a multi-node engine starts with."""
+one worker per node it spans, in the bundle of the first of its ranks on that node; which trainer rank, node and
+GPU each engine rank has (``engine_rank_slots``: engine rank ``i`` is training rank ``e·TP + i``'s GPU); and the
+node addresses and free ports a multi-node engine starts with."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["PROBE_SHARE", "EngineNode", "free_port_run", "node_ip", "plan_engine_nodes", "probe_bundles"]
+from k3.transport.rank_feed import RankSlot, this_node
+
+__all__ = ["PROBE_SHARE", "EngineNode", "engine_rank_slots", "free_port_run", "node_ip", "plan_engine_nodes",
+           "probe_bundles"]
 
 PROBE_SHARE = 0.01  # of a rank's bundle, for the task that reports the bundle's node and GPU
 
@@ -32,8 +36,10 @@ def plan_engine_nodes(num_engines: int, engine_tp: int,
     """The workers of every engine: engine ``e`` takes training ranks ``e·engine_tp … (e+1)·engine_tp − 1``;
     its node ranks follow its nodes in rank order (node rank 0 holds rank ``e·engine_tp``, the source rank of the
     adapter hand-off). ``bundles[r]`` is ``(node IP, GPU ids)`` of rank ``r``'s bundle (no GPU ids: a CPU run,
-    ``visible_devices`` None). Raises ``ValueError`` when the ranks do not cover the engines or an engine spans
-    its nodes unevenly (SGLang gives every node of an engine the same number of TP ranks)."""
+    ``visible_devices`` None). Raises ``ValueError`` when the ranks do not cover the engines, an engine spans
+    its nodes unevenly (SGLang gives every node of an engine the same number of TP ranks), or an engine's ranks
+    interleave over its nodes (SGLang puts TP ranks ``k·n … (k+1)·n − 1`` on node rank ``k``, so node ``k`` must
+    hold training ranks ``e·TP + k·n …`` for each engine rank to sit on its training rank's GPU)."""
     if num_engines < 1 or engine_tp < 1:
         raise ValueError(f"num_engines={num_engines}, engine_tp={engine_tp}: both must be >= 1")
     need = num_engines * engine_tp
@@ -51,6 +57,14 @@ def plan_engine_nodes(num_engines: int, engine_tp: int,
             raise ValueError(f"engine {e} (ranks {ranks[0]}..{ranks[-1]}) spans its nodes unevenly "
                              f"({ {ip: len(v) for ip, v in by_node.items()} }): SGLang needs the same TP ranks on "
                              "every node of an engine; use whole nodes per engine (--rollout-tp-size)")
+        per_node = sizes.pop()
+        if any(node_ranks != ranks[k * per_node:(k + 1) * per_node] for k, node_ranks in enumerate(by_node.values())):
+            where = "; ".join(f"node {ip}: ranks {v} on GPUs {[list(bundles[r][1]) for r in v]}"
+                              for ip, v in by_node.items())
+            raise ValueError(f"engine {e}'s training ranks interleave over its nodes ({where}): SGLang puts TP "
+                             f"ranks k·{per_node} … (k+1)·{per_node} − 1 on its k-th node, so each engine rank would "
+                             "sit on another training rank's GPU and open adapter payloads made elsewhere; place each "
+                             "engine's ranks node by node")
         nodes = []
         for k, (ip, node_ranks) in enumerate(by_node.items()):
             gpus = [list(bundles[r][1]) for r in node_ranks]
@@ -58,6 +72,20 @@ def plan_engine_nodes(num_engines: int, engine_tp: int,
             nodes.append(EngineNode(e, k, ip, node_ranks[0], tuple(node_ranks), devices))
         plans.append(nodes)
     return plans
+
+
+def engine_rank_slots(nodes: Sequence[EngineNode]) -> tuple[RankSlot, ...]:
+    """Engine rank ``i``'s trainer rank, node and GPU at ``i``, of one engine's workers (``plan_engine_nodes``):
+    its nodes in node-rank order, each node's ranks in order, as SGLang numbers its TP ranks."""
+    slots = []
+    for node in sorted(nodes, key=lambda n: n.node_rank):
+        gpus = node.visible_devices or (None,) * len(node.ranks)
+        slots.extend(RankSlot(r, node.node_ip, gpu) for r, gpu in zip(node.ranks, gpus))
+    first = slots[0].rank if slots else 0
+    if [s.rank for s in slots] != list(range(first, first + len(slots))):
+        raise ValueError(f"engine {nodes[0].engine_index}: its node workers hold training ranks "
+                         f"{[s.rank for s in slots]}, not one run of consecutive ranks in node order")
+    return tuple(slots)
 
 
 def _bundle_identity() -> tuple[str, list[str]]:
@@ -76,15 +104,9 @@ def probe_bundles(placement: Any, num_ranks: int) -> list[tuple[str, list[str]]]
 
 
 def node_ip() -> str:
-    """This node's IP: as Ray knows it when Ray is up, else the host name's address."""
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except ImportError:
-        pass
-    return socket.gethostbyname(socket.gethostname())
+    """This node's IP: as Ray knows it when Ray is up, else the host name's address (``this_node``: the id the
+    trainer ranks report, so the placement and the rank feed's checks agree)."""
+    return this_node()
 
 
 def free_port_run(start: int, span: int) -> int:

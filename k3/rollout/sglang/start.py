@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from k3.rollout.sglang.placement import plan_engine_nodes, probe_bundles
+from k3.rollout.sglang.placement import engine_rank_slots, plan_engine_nodes, probe_bundles
 from k3.rollout.sglang.server_args import build_server_args
 from k3.rollout.sglang.worker import SGLangEngineWorker
 from k3.settings.colocate import ColocateSettings
 from k3.settings.parallel import ParallelLayout
 from k3.settings.rollout import RolloutSettings
 from k3.settings.worker import WorkerSpec
+from k3.transport.rank_feed import RankSlot, this_node
 
 __all__ = ["launch_engines", "start_engines", "start_local_engine"]
 
@@ -26,7 +27,8 @@ def _engine_kwargs(rollout: RolloutSettings) -> dict[str, Any]:
 def launch_engines(rollout: RolloutSettings, layout: ParallelLayout, colocate: ColocateSettings, placement: Any,
                    spec: WorkerSpec) -> list[Any]:
     """Start every rollout engine of ``layout`` on ``placement`` (Ray); returns the heads' actor handles, in
-    engine order. Followers are created in their bundles too (the placement kills them at shutdown)."""
+    engine order. Followers are created in their bundles too (the placement kills them at shutdown). Each head
+    knows its engine ranks' trainer ranks, nodes and GPUs (``engine_rank_slots``), to be fed rank by rank."""
     import ray
 
     plans = plan_engine_nodes(layout.num_rollout_engines, layout.rollout_tp_size,
@@ -34,8 +36,10 @@ def launch_engines(rollout: RolloutSettings, layout: ParallelLayout, colocate: C
     cls = ray.remote(SGLangEngineWorker)
     heads, started = [], []
     for nodes in plans:
+        slots = engine_rank_slots(nodes)
         actors = [placement.create_actor(cls, n.bundle_rank, "engine", spec, engine_index=n.engine_index,
                                          node_rank=n.node_rank, visible_devices=n.visible_devices,
+                                         **({"rank_slots": slots} if n.node_rank == 0 else {}),
                                          **_engine_kwargs(rollout)) for n in nodes]
         overrides: dict[str, Any] = {}
         if len(nodes) > 1:
@@ -52,12 +56,16 @@ def launch_engines(rollout: RolloutSettings, layout: ParallelLayout, colocate: C
 
 def start_local_engine(rollout: RolloutSettings, layout: ParallelLayout, colocate: ColocateSettings,
                        spec: WorkerSpec) -> SGLangEngineWorker:
-    """The one engine of an in-process run (tests, one-GPU machines), started."""
+    """The one engine of an in-process run (tests, one-GPU machines), started. An engine of one rank is fed by
+    the one trainer rank of this process (its node; the GPU is not compared: both share this process's view of
+    the node's GPUs); a wider one takes one bucket per chunk, which its ranks on this node open."""
     if layout.num_rollout_engines != 1:
         raise ValueError(f"an in-process run has one rollout engine; this layout has "
                          f"{layout.num_rollout_engines} (run it under Ray)")
-    worker = SGLangEngineWorker(spec, **_engine_kwargs(rollout))
-    worker.start(build_server_args(rollout, spec.lora, colocate))
+    server_args = build_server_args(rollout, spec.lora, colocate)
+    slots = (RankSlot(0, this_node(), None),) if int(server_args.get("tp_size", 1)) == 1 else None
+    worker = SGLangEngineWorker(spec, rank_slots=slots, **_engine_kwargs(rollout))
+    worker.start(server_args)
     return worker
 
 

@@ -11,12 +11,16 @@ when the adapter arrived intact. What it enforces, as SGLang does or must:
   a name being loaded, or not loaded, cannot be generated with;
 * one serialized payload per TP rank, each deserialized on its own, all equal;
 * no LoRA load with the weights released.
+
+For each load it records which process made each TP rank's payload (``payload_pids``: the producer's pid, read from
+the name of the shared-memory segment a CPU payload lies in), so a test can tell whose bucket each rank opened.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
 import threading
 import uuid
 
@@ -166,19 +170,20 @@ class Engine:
 
     def _load_lora(self, obj) -> LoRAUpdateOutput:
         streamed = obj.is_first_chunk is not None
+        if len(obj.serialized_named_tensors) != self.tp_size:
+            raise FakeSGLangError(f"{len(obj.serialized_named_tensors)} payloads for {self.tp_size} TP ranks")
+        per_rank, pids = [], []
+        for data in obj.serialized_named_tensors:  # each TP rank deserializes its own copy
+            payload = MultiprocessingSerializer.deserialize(data)
+            pids.append(_producer_pid(payload["flattened_tensor"]))
+            per_rank.append([(n, t.clone()) for n, t in reconstruct(payload["flattened_tensor"], payload["metadata"])])
+            del payload
         self._record("load_lora_adapter_from_tensors", lora_name=obj.lora_name, first=obj.is_first_chunk,
-                     last=obj.is_last_chunk, payloads=len(obj.serialized_named_tensors))
+                     last=obj.is_last_chunk, payloads=len(obj.serialized_named_tensors), payload_pids=pids)
         if "weights" in self.released:
             return LoRAUpdateOutput(success=False, error_message="LoRA load with the weights released")
         if obj.load_format != "flattened_bucket":
             raise FakeSGLangError(f"load_format {obj.load_format!r}: k3 sends flattened buckets")
-        if len(obj.serialized_named_tensors) != self.tp_size:
-            raise FakeSGLangError(f"{len(obj.serialized_named_tensors)} payloads for {self.tp_size} TP ranks")
-        per_rank = []
-        for data in obj.serialized_named_tensors:  # each TP rank deserializes its own copy
-            payload = MultiprocessingSerializer.deserialize(data)
-            per_rank.append([(n, t.clone()) for n, t in reconstruct(payload["flattened_tensor"], payload["metadata"])])
-            del payload
         for other in per_rank[1:]:
             if [n for n, _ in other] != [n for n, _ in per_rank[0]] or not all(
                     torch.equal(a, b) for (_, a), (_, b) in zip(other, per_rank[0])):
@@ -240,3 +245,17 @@ class Engine:
                 load_adapter_tensors(self._embedded.model, tensors.items())
             self._active = name
         return self._embedded
+
+
+def _producer_pid(t: torch.Tensor) -> int | None:
+    """The pid of the process that made the shared-memory segment ``t`` lies in (torch names them
+    ``/torch_<pid>_…`` under the ``file_system`` strategy), or None (CUDA, or not a named segment)."""
+    storage = t.untyped_storage()
+    if t.device.type != "cpu" or not storage.is_shared():
+        return None
+    try:
+        name = storage._share_filename_cpu_()[1]
+    except RuntimeError:
+        return None
+    match = re.match(rb"/torch_(\d+)_", name if isinstance(name, bytes) else name.encode())
+    return int(match.group(1)) if match else None
