@@ -202,7 +202,7 @@ TRAIN_ARGS=(
     --n-samples-per-prompt 8 --global-batch-size 64 --rollout-max-concurrency 64
     --rollout-max-response-len "$RESPONSE_LEN" --max-tokens-per-gpu 4096 --lr 1e-4 --seed 0
     --save-interval "$ROLLOUTS" --colocate-memory-peak-device gpu --gpu-memory-fraction-per-actor "$FRACTION"
-    --hf-checkpoint "$WORK/base" --ref-load "$WORK/dcp" --data-dir "$WORK/data" --save-dir "$RUN/checkpoints"
+    --hf-checkpoint "$WORK/base" --ref-load "$WORK/dcp" --data-dir "$WORK/data"
     --run-id "smoke-gpu-$(date -u +%Y%m%d-%H%M%S)" "${DANCE_FLAGS[@]}"
 )
 # --model-variant tiny: the one variant whose layout rule is one process on one GPU (4layer's is TP8/EP8 on 8);
