@@ -195,6 +195,8 @@ class RunDirSource:
         return logged + self._offset
 
     def _read_memory(self, run: RunData, event: dict[str, Any], seq: int, where: str) -> None:
+        if "engine" in event:
+            return  # an engine's reading (docs/RUN_DIRECTORY.md): the trainer criteria read ranks' readings only
         rank, phase = event["rank"], normalize_phase(event["phase"])
         if "sync" in event:
             sync = self._sync_index(run, where, event["sync"])
@@ -233,7 +235,11 @@ def _structure_error(event: dict[str, Any]) -> str | None:
         expected = f"{', '.join(STATUSES[:-1])} or {STATUSES[-1]}"
         return f"status event with 'status' {event.get('status')!r} (expected {expected})"
     if kind == "memory":
-        if not isinstance(event.get("rank"), int) or isinstance(event.get("rank"), bool):
+        if "engine" in event:  # an engine's reading around a release / resume (no rank)
+            engine = event["engine"]
+            if not isinstance(engine, int) or isinstance(engine, bool) or engine < 0 or "rank" in event:
+                return f"an engine's memory event needs a non-negative integer 'engine' and no 'rank', got {engine!r}"
+        elif not isinstance(event.get("rank"), int) or isinstance(event.get("rank"), bool):
             return f"memory event needs an integer 'rank', got {event.get('rank')!r}"
         if not isinstance(event.get("phase"), str):
             return f"memory event needs a string 'phase', got {event.get('phase')!r}"

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -34,6 +35,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from k3.megatron.config import K3TransformerConfig
 from k3.megatron.context_parallel import cp_gather_tokens, cp_local_tokens
+from k3.megatron.ddp_regions import Region, build_ddp_in_regions
 from k3.megatron.grads import finalize_k3_model_grads
 from k3.megatron.lora import apply_megatron_lora
 from k3.megatron.model import k3_model_provider
@@ -311,20 +313,26 @@ def build_lora_trainer(
     betas: tuple[float, float] = (0.9, 0.999),
     adam_eps: float = 1e-8,
     expert_lora_kernel: str = "torch",
+    param_region: Region | None = None,
+    grad_region: Region | None = None,
 ) -> MegatronLoRATrainer:
     """This rank's trainer: model from ``config``, base weights via ``load_base(model)`` (e.g.
     ``partial(load_dist, load=DCP)`` or ``partial(load_hf_checkpoint, hf_dir=…, cfg=…)``), adapters from
     ``lora``, Adam (decoupled weight decay, i.e. AdamW; megatron exempts 1-D parameters and biases from decay)
-    over the adapters; ``expert_lora_kernel`` as ``apply_megatron_lora``'s. Call after
+    over the adapters; ``expert_lora_kernel`` as ``apply_megatron_lora``'s. ``param_region`` / ``grad_region``:
+    where the parameters and DDP's gradient buffers are allocated (the trainer's memory regions,
+    ``k3.megatron.ddp_regions``; None: the ordinary allocator); the optimizer is built outside both. Call after
     ``k3.megatron.parallel.init_parallel``."""
-    model = k3_model_provider(config)
-    if torch.cuda.is_available():
-        model = model.cuda()
-    load_base(model)
-    apply_megatron_lora(model, lora, seed=lora_seed, expert_lora_kernel=expert_lora_kernel)
+    with (param_region or nullcontext)():
+        model = k3_model_provider(config)
+        if torch.cuda.is_available():
+            model = model.cuda()
+        load_base(model)
+        apply_megatron_lora(model, lora, seed=lora_seed, expert_lora_kernel=expert_lora_kernel)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                use_distributed_optimizer=use_distributed_optimizer)
-    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    ddp = build_ddp_in_regions(lambda: DistributedDataParallel(config=config, ddp_config=ddp_config, module=model),
+                               param_region, grad_region)
     opt_config = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=weight_decay, clip_grad=clip_grad,
                                  adam_beta1=betas[0], adam_beta2=betas[1], adam_eps=adam_eps,
                                  bf16=config.bf16, params_dtype=config.params_dtype,

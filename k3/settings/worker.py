@@ -18,7 +18,8 @@ class WorkerSpec:
     ``torch`` (``PolicyTrainer``) or ``megatron`` (``MegatronPolicy``, base weights from the torch_dist
     ``ref_load`` when set, else ``model_dir``, on the model-parallel sizes and pipeline split of ``layout``).; ``use_dynamic_batch_size``: packed micro-batches filled up to the trainer's token
     budget, the recipe's loss; ``recompute_*``: megatron's activation recompute, granularity None / ``full`` /
-    ``selective``, method and layer count for ``full`` only)."""
+    ``selective``, method and layer count for ``full`` only); ``offload_train``: the trainer sleeps while the
+    engines generate (``k3.rl.trainers.memory_regions``; the engine ignores it)."""
 
     model_dir: str
     lora: LoRAConfig
@@ -34,3 +35,4 @@ class WorkerSpec:
     recompute_granularity: str | None = None  # megatron backend only, as the three below
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
+    offload_train: bool = False  # the trainer's memory regions and sleep / wake_up (--offload-train)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from k3.rl.grpo import GRPOConfig, build_optimizer, policy_loss, token_entropy, token_log_probs
+from k3.rl.trainers.memory_regions import ParamGrads
 from k3.rl.trainers.trajectory import Trajectory
 
 __all__ = ["PolicyTrainer", "micro_batches"]
@@ -139,3 +140,8 @@ class PolicyTrainer:
             "train/grad_norm": float(grad_norm),
             "train/num_tokens": float(num_tokens),
         }
+
+    # -- memory (k3.rl.trainers.memory_regions)
+    def grad_buffers(self) -> ParamGrads:
+        """The adapters' ``.grad`` tensors, for the trainer's sleep (dropped; autograd makes new ones)."""
+        return ParamGrads(self.params)
