@@ -276,7 +276,7 @@ def test_the_worker_refuses_memory_steps_without_offload_train_and_model_calls_w
 # ------------------------------------------------------------------------------------------------ the saver path
 class StandInSaver:
     """torch_memory_saver's API on CPU. No allocator to capture: tensors are registered per tag with ``track``.
-    ``pause`` empties their storages (a read then fails, as an unmapped address would fault), keeping a copy when
+    ``pause`` empties their storages (memory a read must not touch, as an unmapped address), keeping a copy when
     the tag's region backs up; ``resume`` gives the storages back restored, or filled with 0xFF bytes (fresh memory
     holds garbage). Like the real one it ends the process on a second pause or a resume of what is not paused."""
 
