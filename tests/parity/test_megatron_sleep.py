@@ -31,24 +31,27 @@ def _digests(policy, version: int) -> list[str]:
     return [chunk_digest(c.tensors) for c in policy.export_chunks(version)]
 
 
-def _worker(root: Path) -> dict:
-    import megatron_compat
+def _worker(root: Path, device: str) -> dict:
+    """``device`` cpu: the CPU regions under tests/megatron_compat.py; cuda: torch_memory_saver's regions, megatron's
+    own CUDA paths."""
+    import os
 
-    megatron_compat.install()
+    if device == "cpu":
+        import megatron_compat
+
+        megatron_compat.install()
     from k3.lora import LoRAConfig
     from k3.megatron.lora import gather_lora, load_lora
     from k3.rl.grpo import GRPOConfig
     from k3.rl.trainers.megatron import build_megatron_policy
-    from k3.rl.trainers.memory_regions import HostRegions, TrainerMemory, resident_bytes
-
-    import os
+    from k3.rl.trainers.memory_regions import TrainerMemory, resident_bytes, trainer_regions
 
     base = write_tiny_checkpoint(root / f"rank{os.environ.get('RANK', '0')}")  # the same bytes, no shared writes
-    regions = HostRegions()
+    regions = trainer_regions(True, device)
     policy = build_megatron_policy(base, LoRAConfig(rank=RANK, alpha=ALPHA), pad_id=0,
                                    grpo=GRPOConfig(lr=5e-3, weight_decay=0.1, clip_grad=1.0),
                                    max_tokens_per_micro_batch=MAX_TOKENS, seed=3, regions=regions)
-    memory = TrainerMemory(regions, policy.model, policy.grad_buffers(), "cpu", rank=0)
+    memory = TrainerMemory(regions, policy.model, policy.grad_buffers(), device, rank=0)
     trajs = trajectories(policy.cfg.vocab_size)
     for t, lp in zip(trajs, policy.log_probs(trajs)):
         t.old_log_probs = lp
@@ -68,8 +71,9 @@ def _worker(root: Path) -> dict:
     out["awake"] = memory.resident_bytes()
     out["sleep"] = memory.sleep()
     out["asleep"] = memory.resident_bytes()
-    out["frozen_emptied"] = all(p.numel() == 0 for p in frozen.values())
-    out["grad_storage_asleep"] = sum(g.untyped_storage().nbytes() for g in grad_views)
+    if device == "cpu":  # on CUDA the tensors keep their (paused) virtual memory
+        out["frozen_emptied"] = all(p.numel() == 0 for p in frozen.values())
+        out["grad_storage_asleep"] = sum(g.untyped_storage().nbytes() for g in grad_views)
     with memory.readable():
         out["export_asleep"] = _digests(policy, 1)
     out["wake"] = memory.wake_up()
@@ -106,6 +110,8 @@ def _ddp_regions(config) -> dict:
 
     torch.manual_seed(1)
     module = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Linear(6, 3))
+    if torch.cuda.is_available():  # the CUDA worker (the CPU one's torch has no CUDA)
+        module = module.cuda()
     module[0].weight.requires_grad_(False)
     trainable = [p for p in module.parameters() if p.requires_grad]
     values = [p.detach().clone() for p in trainable]
@@ -147,7 +153,7 @@ if __name__ == "__main__":
     import os
 
     where = Path(sys.argv[1])
-    got = _worker(where)
+    got = _worker(where, sys.argv[2])
     if os.environ.get("RANK", "0") == "0":
         torch.save(got, where / "result.pt")
 
@@ -159,7 +165,7 @@ def result(request, tmp_path_factory) -> dict:
     from megatron_compat import run_workers
 
     tmp = tmp_path_factory.mktemp("megatron_sleep")
-    run_workers([__file__, str(tmp)], nproc=request.param)
+    run_workers([__file__, str(tmp), "cpu"], nproc=request.param)
     return torch.load(tmp / "result.pt", weights_only=False)
 
 
@@ -193,3 +199,20 @@ def test_ddp_gradient_buffers_in_their_region_and_the_parameter_buffer_in_the_ot
     assert all(ddp[k] for k in ("moved", "params_in_new_buffer", "buckets_in_new_buffer", "values_kept",
                                 "main_grads_in_grad_buffer", "frozen_untouched",
                                 "no_param_data_without_distributed_optimizer")), ddp
+
+
+@pytest.mark.gpu
+def test_on_cuda_under_torch_memory_saver(tmp_path):
+    """The same on one GPU with the real saver: allocated stays while the trainer sleeps (paused memory keeps its
+    virtual allocation), the base comes back bit for bit, the export reads the backups, training is unchanged."""
+    pytest.importorskip("torch_memory_saver")
+    from megatron_compat import run_workers
+
+    run_workers([__file__, str(tmp_path), "cuda"], nproc=1)
+    got = torch.load(tmp_path / "result.pt", weights_only=False)
+    before, after = got["sleep"]
+    assert after["memory/allocated_gb"] == before["memory/allocated_gb"]
+    assert after["memory/physical_gb"] < before["memory/physical_gb"]
+    assert got["frozen_back"] and got["grads_zero_after_wake"]
+    assert got["export_asleep"] == got["export_awake"]
+    assert got["plain"] == [got["step1"], got["step2"]] and got["same_adapters"]

@@ -378,3 +378,12 @@ def test_under_the_saver_the_regions_pause_in_the_recipes_order_and_the_export_r
     with memory.readable():  # awake: the parameters themselves
         assert _digests(model) == awake
     policy.train_step(trajs)
+
+
+def test_the_gpu_extra_pins_the_saver_the_error_names():
+    import tomllib
+    from pathlib import Path
+
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    extras = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]
+    assert mr.SAVER_PIN in extras["gpu"]
