@@ -100,11 +100,13 @@ class Loop:
     def _reward(self, sample, label: str) -> float:
         return float(self.reward_fn(sample.text, label, tokens=sample.tokens))
 
-    def sync(self, rollout_id: int | None, cycle_start: float | None = None) -> dict[str, Any]:
+    def sync(self, rollout_id: int | None, cycle_start: float | None = None,
+             onload_time: float | None = None) -> dict[str, Any]:
         """Adapter version + 1: export → hand-off → the engine must then serve exactly that version.
 
         ``rollout_id`` None is the startup sync. ``cycle_start`` (perf_counter) is where this rollout's cycle
-        began, for ``perf/cycle_time`` (generate + train + sync; evals are outside cycles)."""
+        began, for ``perf/cycle_time`` (generate + train + sync; evals are outside cycles). ``onload_time``: seconds
+        of the memory moves since training (``perf/onload_time``)."""
         version = self.version + 1
         sync_index = self.next_sync
         # Recipe §5.4 step 6: generation is paused on every engine before the first chunk goes out.
@@ -143,6 +145,8 @@ class Loop:
             print(f"WARNING sync {sync_index}: {keys['leak']}", flush=True)
         if cycle_start is not None:
             keys["perf/cycle_time"] = time.perf_counter() - cycle_start
+        if onload_time is not None:
+            keys["perf/onload_time"] = onload_time
         self.w.write("sync", rollout_id, **keys)
         for k, report in enumerate(reports):
             if report["version"] != version:
@@ -216,8 +220,10 @@ class Loop:
         self.w.write("rollout", rollout_id, **rec)  # written now, so a live watch sees the reward at once
 
         # Colocated hand-off, recipe §5.4: the engines give up their memory while the trainer works.
+        t0 = time.perf_counter()
         self._run_steps(colocate.before_train_steps(self._peak, self._levels, self._offload_train), rollout_id,
                         self.next_sync)
+        offload_time = time.perf_counter() - t0
         trajs = [Trajectory(s.prompt_ids, s.tokens, float(adv[k])) for k, s in enumerate(samples)]
         t0 = time.perf_counter()
         old = self._rank0(self.trainer.call("log_probs", trajs))
@@ -238,15 +244,17 @@ class Loop:
         self.w.write("train", rollout_id, **train_metrics, **{
             "perf/train_time": train_time,
             "perf/log_probs_time": log_probs_time,
+            "perf/offload_time": offload_time,
             "rollout/log_probs": sum(trainer_lp) / max(len(trainer_lp), 1),
             "rollout/rollout_log_probs": sum(engine_lp) / max(len(engine_lp), 1),
             "rollout/train_rollout_logprob_abs_diff":
                 sum(abs(x - y) for x, y in zip(trainer_lp, engine_lp)) / max(len(trainer_lp), 1),
             "rollout/train_rollout_kl": token_kl(engine_lp, trainer_lp),
         })
+        t0 = time.perf_counter()
         self._run_steps(colocate.after_train_steps(self._peak, self._levels, self._offload_train), rollout_id,
                         self.next_sync)
-        sync = self.sync(rollout_id, cycle_start=t_cycle)
+        sync = self.sync(rollout_id, cycle_start=t_cycle, onload_time=time.perf_counter() - t0)
         self._run_steps(colocate.AFTER_SYNC, rollout_id, self.next_sync - 1)
         print(self.progress.finished(
             rollout_id, f"reward {rec['rollout/raw_reward']:.3f}  len {rec['rollout/response_len/mean']:.1f}  "

@@ -106,6 +106,9 @@ def test_the_loop_hands_memory_over_in_the_recipes_order(tiny, monkeypatch, time
     (line,) = [x for x in (run / "resolved_config.txt").read_text().splitlines() if x.split()[:1] == ["offload_train"]]
     assert line.endswith(str(peak is not None))
 
+    # the moves' durations: before training (engines release, trainer wakes) and before each sync
+    assert all(e["perf/offload_time"] > 0 for e in ev if e["event"] == "train")
+    assert [("perf/onload_time" in e) for e in ev if e["event"] == "sync"] == [False, True, True]
     mem = [e for e in ev if e["event"] == "memory"]
     trainer = [e for e in mem if "rank" in e]
     engine = [e for e in mem if "engine" in e]
