@@ -434,7 +434,7 @@ def run(settings: RunSettings, *, in_process: bool | None = None, sabotage_sync:
             megatron_backend.require_cuda()  # looked up at call time: tests stand in a CPU guard
         except megatron_backend.MegatronBackendUnavailable as e:  # `k3 train` reports a TrainingError in one line
             raise TrainingError(str(e)) from None
-    if s.colocate.offload_train and not s.colocate.disable_weights_backuper:
+    if not s.colocate.disable_weights_backuper:  # printed = in effect: no trainer here keeps such a copy
         raise TrainingError("disable_weights_backuper False asks for a separate host copy of the trainer's weights; "
                             "there is none here: with --offload-train the exporter reads the adapters from the "
                             "memory saver's own backups (the recipe's --disable-weights-backuper)")

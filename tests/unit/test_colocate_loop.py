@@ -211,3 +211,25 @@ def test_the_worker_spec_carries_offload_train(tiny, tmp_path):
     assert loop_mod.worker_spec(_settings(tiny, tmp_path)).offload_train is True
     assert loop_mod.worker_spec(_settings(tiny, tmp_path, "--no-offload-train")).offload_train is False
 
+
+
+def test_the_harness_reads_engine_readings_and_refuses_malformed_ones(tmp_path):
+    from harness.readers import read_run
+
+    lines = [
+        {"time": 1.0, "event": "status", "rollout_id": None, "status": "started"},
+        {"time": 2.0, "event": "memory", "rollout_id": 0, "engine": 0, "phase": "before_release", "sync": 1,
+         "tags": ["weights"], "memory/physical_gb": 3.5, "memory/engine_weights_resident": True},
+        {"time": 3.0, "event": "memory", "rollout_id": 0, "engine": 0, "rank": 0, "phase": "after_release",
+         "sync": 1, "memory/physical_gb": 1.0},
+        {"time": 4.0, "event": "memory", "rollout_id": 0, "engine": -1, "phase": "after_release", "sync": 1,
+         "memory/physical_gb": 1.0},
+        {"time": 5.0, "event": "memory", "rollout_id": 0, "rank": 0, "phase": "before_wake_up", "sync": 1,
+         "memory/allocated_gb": 0.5, "memory/physical_gb": 1.5},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    run = read_run(tmp_path, finished=False)
+    assert [str(p) for p in run.problems] == [
+        "metrics.jsonl:3: an engine's memory event needs a non-negative integer 'engine' and no 'rank', got 0; skipped",
+        "metrics.jsonl:4: an engine's memory event needs a non-negative integer 'engine' and no 'rank', got -1; "
+        "skipped"]

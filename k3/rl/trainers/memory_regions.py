@@ -121,6 +121,8 @@ class SaverRegions(Regions):
         """Pause ``tag`` unless it is paused (the saver ends the process on a second pause, or on resuming what
         is not paused)."""
         if tag not in self.paused:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # no kernel may still write memory that is about to be unmapped
             self.saver.pause(tag)
             self.paused.add(tag)
 
