@@ -25,6 +25,11 @@ The orders, with ``weight`` in ``--offload-rollout-level`` (the recipe's lists, 
 * per rollout, ``cpu``: generate → release all → wake_up → train → sleep → resume weights → sync → resume KV.
 * per rollout, ``gpu``: generate → release KV → wake_up → release weights → train → clear_memory →
   offload_grad_buffer → resume weights → sleep → sync → resume KV.
+
+Two differences from the recipe's loop, both deliberate: every rollout ends with a sync, the last one too (the
+recipe skips the final offload and update; the harness counts one version per rollout), and the adapter checkpoint
+is written after the sync and the eval, with the trainer asleep (the recipe saves right after training): the
+exporter reads the adapters from the memory saver's backups, and the optimizer state is outside its regions.
 """
 
 from __future__ import annotations
