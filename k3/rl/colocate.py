@@ -20,8 +20,8 @@ resumed before the last rank's cleanup OOMed resuming its KV cache). Then :data:
 The orders, with ``weight`` in ``--offload-rollout-level`` (the recipe's lists, §5.3–5.4):
 
 * startup (an engine that holds memory at start): ``cpu``: release all → create trainer → sleep → resume
-  weights → sync → resume KV. ``gpu``: release KV → create trainer → sleep → sync → resume KV (the weights were never
-  released: no startup onload). An engine that allocates per call: create trainer → sleep → sync.
+  weights → sync → resume KV. ``gpu``: release KV → create trainer → sleep → sync → resume KV (the weights were
+  never released: no startup onload). An engine that allocates per call: create trainer → sleep → sync.
 * per rollout, ``cpu``: generate → release all → wake_up → train → sleep → resume weights → sync → resume KV.
 * per rollout, ``gpu``: generate → release KV → wake_up → release weights → train → clear_memory →
   offload_grad_buffer → resume weights → sleep → sync → resume KV.

@@ -135,7 +135,8 @@ def test_the_loop_hands_memory_over_in_the_recipes_order(tiny, monkeypatch, time
 
     releases = [(e["phase"], e["tags"], e["sync"], e["memory/engine_weights_resident"]) for e in engine]
     if peak == "gpu":
-        per = [("before_release", ["kv_cache", "cuda_graph"], True), ("after_release", ["kv_cache", "cuda_graph"], True),
+        kv = ["kv_cache", "cuda_graph"]
+        per = [("before_release", kv, True), ("after_release", kv, True),
                ("before_release", ["weights"], True), ("after_release", ["weights"], False),
                ("before_resume", ["weights"], False), ("after_resume", ["weights"], True)]
     else:
