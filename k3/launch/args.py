@@ -184,6 +184,9 @@ class TrainArgs:
     save_interval: int = opt(50, "save a checkpoint every N rollouts (and after the last)", group="training",
                              ours=True)
     # --- sync and memory
+    offload_train: bool = opt(True, "the trainer sleeps while the engines generate: parameters paused with a host "
+                              "backup, gradient buffers dropped (torch_memory_saver on CUDA, a host move on CPU), "
+                              "woken to train; --no-offload-train keeps it resident", group="sync")
     colocate_memory_peak_device: str = opt("gpu", "where trainer and engine copies briefly coexist at a sync: "
                                            "gpu (onload first) or cpu (offload first)", choices=PEAK_DEVICES,
                                            group="sync", ours=True)
@@ -464,7 +467,7 @@ def resolve(args: TrainArgs) -> ResolvedConfig:
         data=_data(a),
         colocate=ColocateSettings(
             colocate=True,
-            offload_train=True,
+            offload_train=a.offload_train,
             offload_rollout=True,
             disable_weights_backuper=True,
             train_memory_margin_bytes=(2 if debug else 4) * _GIB,

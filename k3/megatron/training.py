@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -42,6 +43,7 @@ from torch.utils.checkpoint import checkpoint
 from k3.megatron import optimizer as megatron_optimizer
 from k3.megatron.config import K3TransformerConfig
 from k3.megatron.context_parallel import cp_gather_tokens, cp_local_tokens
+from k3.megatron.ddp_regions import Region, build_ddp_in_regions
 from k3.megatron.grads import finalize_k3_model_grads
 from k3.megatron.lora import apply_megatron_lora
 from k3.megatron.model import k3_model_provider
@@ -393,13 +395,17 @@ def build_lora_trainer(
     optimizer_offload_fraction: float = 0.0,
     log_probs_chunk_size: int = NO_LOG_PROBS_CHUNKING,
     check_for_nan: bool = False,
+    param_region: Region | None = None,
+    grad_region: Region | None = None,
 ) -> MegatronLoRATrainer:
     """This rank's trainer: model from ``config``, base weights via ``load_base(model)`` (e.g.
     ``partial(load_dist, load=DCP)`` or ``partial(load_hf_checkpoint, hf_dir=…, cfg=…)``), adapters from
     ``lora``, megatron's Adam over the adapters (``k3.megatron.optimizer.build_megatron_optimizer``: plain or
     ``use_distributed_optimizer``, ``optimizer_cpu_offload`` of ``optimizer_offload_fraction``; refused before the
     model is built when megatron-core cannot run them); ``expert_lora_kernel`` as ``apply_megatron_lora``'s;
-    ``log_probs_chunk_size`` and ``check_for_nan`` as ``MegatronLoRATrainer``'s. Call after
+    ``log_probs_chunk_size`` and ``check_for_nan`` as ``MegatronLoRATrainer``'s. ``param_region`` /
+    ``grad_region``: where the parameters and DDP's gradient buffers are allocated (the trainer's memory regions,
+    ``k3.megatron.ddp_regions``; None: the ordinary allocator); the optimizer is built outside both. Call after
     ``k3.megatron.parallel.init_parallel``."""
     # Refusals first, before the model is built (looked up at call time: a CPU test stands in the device check).
     megatron_optimizer.check_optimizer_options(use_distributed_optimizer, optimizer_cpu_offload,
@@ -407,14 +413,16 @@ def build_lora_trainer(
     if optimizer_cpu_offload:
         megatron_optimizer.require_offload_device()
     check_log_probs_chunk_size(log_probs_chunk_size)
-    model = k3_model_provider(config)
-    if torch.cuda.is_available():
-        model = model.cuda()
-    load_base(model)
-    apply_megatron_lora(model, lora, seed=lora_seed, expert_lora_kernel=expert_lora_kernel)
+    with (param_region or nullcontext)():
+        model = k3_model_provider(config)
+        if torch.cuda.is_available():
+            model = model.cuda()
+        load_base(model)
+        apply_megatron_lora(model, lora, seed=lora_seed, expert_lora_kernel=expert_lora_kernel)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                use_distributed_optimizer=use_distributed_optimizer)
-    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    ddp = build_ddp_in_regions(lambda: DistributedDataParallel(config=config, ddp_config=ddp_config, module=model),
+                               param_region, grad_region)
     optimizer = megatron_optimizer.build_megatron_optimizer(
         [ddp], lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, betas=betas, adam_eps=adam_eps, bf16=config.bf16,
         params_dtype=config.params_dtype, distributed=use_distributed_optimizer, cpu_offload=optimizer_cpu_offload,

@@ -6,14 +6,30 @@ peak: the other side onloads first, so both briefly sit on the GPU and the host 
 takes it. The steps below are data: ``k3.rl.loop`` runs them, the tests compare them with the recipe.
 
 Engine steps go to every engine (``release_memory`` / ``resume_memory`` with SGLang's tags; both are idempotent
-per tag on every engine). Trainer steps (``wake_up``, ``sleep``, ``offload_grad_buffer``: the recipe's
-torch_memory_saver regions) are ``optional``: they run on a trainer that implements them, once per state change
-(the loop skips a ``sleep`` of a sleeping trainer and a ``wake_up`` of an awake one); a trainer without them keeps
-its memory resident and only the engine side moves.
+per tag on every engine). Trainer steps (``wake_up``, ``sleep``, ``offload_grad_buffer``, ``clear_memory``: the
+recipe's torch_memory_saver regions, ``k3.rl.trainers.memory_regions``) run only with ``--offload-train``; then they
+are required (a trainer without them stops the run before it starts) and idempotent on the trainer (the recipe's
+state flags). Without ``--offload-train`` the trainer keeps its memory resident and only the engine side moves, in
+the same order.
 
 The sync itself is always: ``pause_generation`` on every engine → ``update_weights`` on the trainer (every rank
-returns only after its sync cleanup) → ``continue_generation`` on every engine (§5.4 steps 6–7: an engine that
+returns only after its sync cleanup; with ``--offload-train`` the trainer is asleep and the exporter reads its
+adapters from the memory saver's backups) → ``continue_generation`` on every engine (§5.4 steps 6–7: an engine that
 resumed before the last rank's cleanup OOMed resuming its KV cache). Then :data:`AFTER_SYNC` (``onload_kv``).
+
+The orders, with ``weight`` in ``--offload-rollout-level`` (the recipe's lists, §5.3–5.4):
+
+* startup (an engine that holds memory at start): ``cpu``: release all → create trainer → sleep → resume
+  weights → sync → resume KV. ``gpu``: release KV → create trainer → sleep → sync → resume KV (the weights were
+  never released: no startup onload). An engine that allocates per call: create trainer → sleep → sync.
+* per rollout, ``cpu``: generate → release all → wake_up → train → sleep → resume weights → sync → resume KV.
+* per rollout, ``gpu``: generate → release KV → wake_up → release weights → train → clear_memory →
+  offload_grad_buffer → resume weights → sleep → sync → resume KV.
+
+Two differences from the recipe's loop, both deliberate: every rollout ends with a sync, the last one too (the
+recipe skips the final offload and update; the harness counts one version per rollout), and the adapter checkpoint
+is written after the sync and the eval, with the trainer asleep (the recipe saves right after training): the
+exporter reads the adapters from the memory saver's backups, and the optimizer state is outside its regions.
 """
 
 from __future__ import annotations
@@ -23,22 +39,23 @@ from dataclasses import dataclass
 
 from k3.settings.colocate import PEAK_DEVICES
 
-__all__ = ["AFTER_SYNC", "ENGINES", "KV_TAGS", "TRAINER", "Step", "after_train_steps",
+__all__ = ["AFTER_SYNC", "ENGINES", "KV_TAGS", "TRAINER", "TRAINER_METHODS", "Step", "after_train_steps",
            "before_first_sync_steps", "before_train_steps", "offload_tags", "startup_steps"]
 
 ENGINES, TRAINER = "engines", "trainer"
 KV_TAGS = ("kv_cache", "cuda_graph")
+# What a trainer must implement under --offload-train (each returns its memory readings, [] when nothing moved).
+TRAINER_METHODS = ("sleep", "wake_up", "offload_grad_buffer", "clear_memory")
 
 
 @dataclass(frozen=True)
 class Step:
     """Call ``method`` on ``target`` (:data:`ENGINES`: all engines, with ``tags`` as the one argument when set;
-    :data:`TRAINER`: no arguments). ``optional``: skipped on a trainer that does not implement ``method``."""
+    :data:`TRAINER`: no arguments, one of :data:`TRAINER_METHODS`)."""
 
     target: str
     method: str
     tags: tuple[str, ...] = ()
-    optional: bool = False
 
 
 def _engines(method: str, tags: Sequence[str]) -> Step:
@@ -46,7 +63,12 @@ def _engines(method: str, tags: Sequence[str]) -> Step:
 
 
 def _trainer(method: str) -> Step:
-    return Step(TRAINER, method, optional=True)
+    return Step(TRAINER, method)
+
+
+def _only(steps: list[Step], offload_train: bool) -> list[Step]:
+    """``steps`` less the trainer's when the trainer keeps its memory resident (no ``--offload-train``)."""
+    return steps if offload_train else [s for s in steps if s.target != TRAINER]
 
 
 AFTER_SYNC: tuple[Step, ...] = (_engines("resume_memory", KV_TAGS),)  # §5.4 step 8: onload_kv
@@ -71,33 +93,39 @@ def startup_steps(peak: str, levels: Sequence[str]) -> list[Step]:
     return [_engines("release_memory", offload_tags(levels) if peak == "cpu" else KV_TAGS)]
 
 
-def before_first_sync_steps(peak: str, levels: Sequence[str]) -> list[Step]:
-    """After the trainer was created, before the startup sync (adapter version 1). ``gpu`` skips the startup
-    ``onload_weights``: the weights were never released, and resuming a never-released region is fatal in SGLang."""
+def before_first_sync_steps(peak: str, levels: Sequence[str], offload_train: bool = True,
+                            engines_released: bool = True) -> list[Step]:
+    """After the trainer was created (it loaded its checkpoint awake), before the startup sync (adapter version 1):
+    the trainer sleeps, and ``cpu`` restores the engine weights released at start. ``gpu`` skips the startup
+    ``onload_weights``: the weights were never released, and resuming a never-released region is fatal in SGLang.
+    ``engines_released``: the engines gave memory up at start (:func:`startup_steps`); an engine that allocates per
+    call did not, and gets no engine step here."""
     _check(peak)
     steps = [_trainer("sleep")]
-    if peak == "cpu" and "weight" in levels:
+    if engines_released and peak == "cpu" and "weight" in levels:
         steps.append(_engines("resume_memory", ("weights",)))
-    return steps
+    return _only(steps, offload_train)
 
 
-def before_train_steps(peak: str, levels: Sequence[str]) -> list[Step]:
+def before_train_steps(peak: str, levels: Sequence[str], offload_train: bool = True) -> list[Step]:
     """After a rollout's generation, before the trainer's log-probs and steps (§5.4 steps 2–3 / the PK order)."""
     _check(peak)
     if peak == "cpu":
-        return [_engines("release_memory", offload_tags(levels)), _trainer("wake_up")]
+        return _only([_engines("release_memory", offload_tags(levels)), _trainer("wake_up")], offload_train)
     steps = [_engines("release_memory", KV_TAGS), _trainer("wake_up")]
     if "weight" in levels:
         # The engine builds its host mirror only now, after the trainer's own host backup was consumed.
         steps.append(_engines("release_memory", ("weights",)))
-    return steps
+    return _only(steps, offload_train)
 
 
-def after_train_steps(peak: str, levels: Sequence[str]) -> list[Step]:
+def after_train_steps(peak: str, levels: Sequence[str], offload_train: bool = True) -> list[Step]:
     """After the training steps, up to the sync (§5.4 steps 4–5 / the PK order)."""
     _check(peak)
     weights = [_engines("resume_memory", ("weights",))] if "weight" in levels else []
     if peak == "cpu":
-        return [_trainer("sleep"), *weights]
-    # gpu: the engine weights come back while the trainer's params are still resident, then the trainer sleeps.
-    return [_trainer("offload_grad_buffer"), *weights, _trainer("sleep")]
+        return _only([_trainer("sleep"), *weights], offload_train)
+    # gpu: the trainer frees what it can while its params stay resident, the engine weights come back, then the
+    # trainer sleeps (its host backup is taken after the engine's mirror was consumed).
+    return _only([_trainer("clear_memory"), _trainer("offload_grad_buffer"), *weights, _trainer("sleep")],
+                 offload_train)

@@ -30,8 +30,8 @@ from k3.rl.data.chat import encode_prompt
 from k3.rl.data.order import prompts_for_rollout
 from k3.rl.data.records import load_prompts
 from k3.rl.delivery import delivery_keys, delivery_problems
-from k3.rl.engines import (BREAK_SYNC_ENV, check_engine_available, connect_engines, shutdown_engines,
-                           start_engines)
+from k3.rl.engines import (BREAK_SYNC_ENV, check_engine_available, connect_engines, feeding_ranks,
+                           shutdown_engines, start_engines)
 from k3.rl.errors import TrainingError, last_line
 from k3.rl.grpo import GRPOConfig, group_advantages
 from k3.rl.handles import LocalHandle, RayHandle, call_all, submit
@@ -68,7 +68,14 @@ class Loop:
         self.trainer, self.engine, self.w = trainer, self.engines[0], writer
         self._group = is_trainer_group(trainer)
         self.engine_kind = engine_kind(settings.rollout_engine)
-        self._trainer_asleep = False  # for trainers with sleep()/wake_up() (colocate.py's optional steps)
+        self._offload_train = settings.colocate.offload_train
+        if self._offload_train:  # the recipe's trainer steps are required then, never silently skipped
+            has = getattr(trainer, "has", None)
+            missing = [m for m in colocate.TRAINER_METHODS if has is None or not has(m)]
+            if missing:
+                raise TrainingError(f"--offload-train needs a trainer with {', '.join(colocate.TRAINER_METHODS)}; "
+                                    f"this one has no {', '.join(missing)} (pass --no-offload-train to keep it "
+                                    "resident)")
         self.tokenizer = load_tokenizer(settings.tokenizer_path)
         self.train_records = load_prompts(settings.data.prompt_data)
         self.eval_records = load_prompts(settings.data.eval_prompt_data) if settings.data.eval_prompt_data else []
@@ -93,11 +100,13 @@ class Loop:
     def _reward(self, sample, label: str) -> float:
         return float(self.reward_fn(sample.text, label, tokens=sample.tokens))
 
-    def sync(self, rollout_id: int | None, cycle_start: float | None = None) -> dict[str, Any]:
+    def sync(self, rollout_id: int | None, cycle_start: float | None = None,
+             onload_time: float | None = None) -> dict[str, Any]:
         """Adapter version + 1: export → hand-off → the engine must then serve exactly that version.
 
         ``rollout_id`` None is the startup sync. ``cycle_start`` (perf_counter) is where this rollout's cycle
-        began, for ``perf/cycle_time`` (generate + train + sync; evals are outside cycles)."""
+        began, for ``perf/cycle_time`` (generate + train + sync; evals are outside cycles). ``onload_time``: seconds
+        of the memory moves since training (``perf/onload_time``)."""
         version = self.version + 1
         sync_index = self.next_sync
         # Recipe §5.4 step 6: generation is paused on every engine before the first chunk goes out.
@@ -136,6 +145,8 @@ class Loop:
             print(f"WARNING sync {sync_index}: {keys['leak']}", flush=True)
         if cycle_start is not None:
             keys["perf/cycle_time"] = time.perf_counter() - cycle_start
+        if onload_time is not None:
+            keys["perf/onload_time"] = onload_time
         self.w.write("sync", rollout_id, **keys)
         for k, report in enumerate(reports):
             if report["version"] != version:
@@ -209,7 +220,10 @@ class Loop:
         self.w.write("rollout", rollout_id, **rec)  # written now, so a live watch sees the reward at once
 
         # Colocated hand-off, recipe §5.4: the engines give up their memory while the trainer works.
-        self._run_steps(colocate.before_train_steps(self._peak, self._levels))
+        t0 = time.perf_counter()
+        self._run_steps(colocate.before_train_steps(self._peak, self._levels, self._offload_train), rollout_id,
+                        self.next_sync)
+        offload_time = time.perf_counter() - t0
         trajs = [Trajectory(s.prompt_ids, s.tokens, float(adv[k])) for k, s in enumerate(samples)]
         t0 = time.perf_counter()
         old = self._rank0(self.trainer.call("log_probs", trajs))
@@ -230,15 +244,18 @@ class Loop:
         self.w.write("train", rollout_id, **train_metrics, **{
             "perf/train_time": train_time,
             "perf/log_probs_time": log_probs_time,
+            "perf/offload_time": offload_time,
             "rollout/log_probs": sum(trainer_lp) / max(len(trainer_lp), 1),
             "rollout/rollout_log_probs": sum(engine_lp) / max(len(engine_lp), 1),
             "rollout/train_rollout_logprob_abs_diff":
                 sum(abs(x - y) for x, y in zip(trainer_lp, engine_lp)) / max(len(trainer_lp), 1),
             "rollout/train_rollout_kl": token_kl(engine_lp, trainer_lp),
         })
-        self._run_steps(colocate.after_train_steps(self._peak, self._levels))
-        sync = self.sync(rollout_id, cycle_start=t_cycle)
-        self._run_steps(colocate.AFTER_SYNC)
+        t0 = time.perf_counter()
+        self._run_steps(colocate.after_train_steps(self._peak, self._levels, self._offload_train), rollout_id,
+                        self.next_sync)
+        sync = self.sync(rollout_id, cycle_start=t_cycle, onload_time=time.perf_counter() - t0)
+        self._run_steps(colocate.AFTER_SYNC, rollout_id, self.next_sync - 1)
         print(self.progress.finished(
             rollout_id, f"reward {rec['rollout/raw_reward']:.3f}  len {rec['rollout/response_len/mean']:.1f}  "
             f"rollout {rollout_time:.1f}s  train {train_time:.1f}s  "
@@ -249,13 +266,15 @@ class Loop:
     def first_sync(self) -> dict[str, Any]:
         """The startup sync (adapter version 1) in the recipe's startup order. An engine that took its memory at
         start (SGLang: KV cache, CUDA graphs) gave it up before the trainer was created (:func:`start_engines`);
-        here the trainer goes to sleep, the engine weights come back (``cpu`` peak), the adapters go out, and the
-        KV cache comes back. An engine that allocates per call (the embedded one) needs the sync alone."""
-        if not self.engine_kind.holds_memory_at_start:
-            return self.sync(None)
-        self._run_steps(colocate.before_first_sync_steps(self._peak, self._levels))
+        here the trainer goes to sleep (``--offload-train``), the engine weights come back (``cpu`` peak), the
+        adapters go out, and the KV cache comes back. An engine that allocates per call (the embedded one) gave
+        nothing up: the trainer sleeps, and the sync follows."""
+        held = self.engine_kind.holds_memory_at_start
+        self._run_steps(colocate.before_first_sync_steps(self._peak, self._levels, self._offload_train,
+                                                         engines_released=held), None, self.next_sync)
         out = self.sync(None)
-        self._run_steps(colocate.AFTER_SYNC)
+        if held:
+            self._run_steps(colocate.AFTER_SYNC, None, self.next_sync - 1)
         return out
 
     # -- the colocated hand-off (k3.rl.colocate)
@@ -274,20 +293,55 @@ class Loop:
         """Rank 0's result of a trainer call (the whole result of a one-rank trainer)."""
         return out[0] if self._group else out
 
-    def _run_steps(self, steps: list[colocate.Step] | tuple[colocate.Step, ...]) -> None:
+    def _run_steps(self, steps: list[colocate.Step] | tuple[colocate.Step, ...], rollout_id: int | None,
+                   sync: int) -> None:
+        """Run ``steps`` in order; every memory move is bracketed by readings (``memory`` events with
+        ``rollout_id`` and ``sync``: the sync the step precedes or belongs to)."""
         for step in steps:
             if step.target == colocate.ENGINES:
-                self._on_engines(step.method, *([list(step.tags)] if step.tags else []))
-                continue
-            has = getattr(self.trainer, "has", None)
-            if step.optional and (has is None or not has(step.method)):
-                continue  # a trainer without memory regions keeps its memory resident
-            if (step.method == "sleep" and self._trainer_asleep) or (step.method == "wake_up" and
-                                                                     not self._trainer_asleep):
-                continue  # idempotent: the state is already the one asked for
-            self.trainer.call(step.method)
-            if step.method in ("sleep", "wake_up"):
-                self._trainer_asleep = step.method == "sleep"
+                self._engine_step(step, rollout_id, sync)
+            else:
+                self._trainer_step(step, rollout_id, sync)
+
+    def _trainer_step(self, step: colocate.Step, rollout_id: int | None, sync: int) -> None:
+        """One trainer memory step on every rank; each rank's readings (before/after) are written. A failure
+        stops the run (the trainer names the rank and phase; a failed wake_up left it fully asleep)."""
+        try:
+            out = self.trainer.call(step.method)
+        except Exception as e:  # noqa: BLE001 - Ray wraps the rank's TrainerMemoryError; its text names rank, phase
+            raise TrainingError(f"the trainer's {step.method} failed ({type(e).__name__}: {last_line(e)}); the run "
+                                "stops here. Restart with --resume to continue from the last adapter checkpoint"
+                                ) from e
+        for records in (out if self._group else [out]):
+            for rec in records or []:
+                self._write_memory(rec, rollout_id, sync)
+
+    def _engine_step(self, step: colocate.Step, rollout_id: int | None, sync: int) -> None:
+        """One engine memory step on every engine at once, each engine's memory read before and after."""
+        kind = "release" if step.method == "release_memory" else "resume"
+        self._engine_readings(f"before_{kind}", step.tags, rollout_id, sync)
+        self._on_engines(step.method, *([list(step.tags)] if step.tags else []))
+        self._engine_readings(f"after_{kind}", step.tags, rollout_id, sync)
+
+    def _engine_readings(self, phase: str, tags: tuple[str, ...], rollout_id: int | None, sync: int) -> None:
+        """One ``memory`` event per engine: the engine's own reading where it gives one (``memory_reading``),
+        else the device reading of the trainer rank that feeds it (on CUDA: the same device, all of it)."""
+        fallback: list[dict[str, Any]] | None = None
+        for k, engine in enumerate(self.engines):
+            has = getattr(engine, "has", None)
+            if has is not None and has("memory_reading"):
+                values = engine.call("memory_reading")
+            else:
+                if fallback is None:
+                    fallback = _rank_list(self.trainer.call("device_memory"))
+                feeders = feeding_ranks(len(self.engines), self.s.layout.rollout_tp_size, len(fallback)) \
+                    if self._group else [0] * len(self.engines)
+                values = fallback[feeders[k]]
+            self._write_memory({**values, "engine": k, "phase": phase, "tags": list(tags)}, rollout_id, sync)
+
+    def _write_memory(self, rec: dict[str, Any], rollout_id: int | None, sync: int) -> None:
+        keys = {k: v for k, v in rec.items() if k not in ("time", "event", "rollout_id", "sync")}
+        self.w.write("memory", rollout_id, sync=sync, **keys)
 
     def _generate(self, reqs: list[Any], sampling: Any) -> list[Any]:
         """Generate on every engine at once: contiguous shards of ``reqs`` (GRPO groups stay together when the
@@ -361,7 +415,8 @@ def worker_spec(s: RunSettings) -> WorkerSpec:
                       optimizer_offload_fraction=o.optimizer_offload_fraction,
                       check_for_nan_in_loss_and_grad=t.check_for_nan_in_loss_and_grad,
                       distributed_timeout_minutes=t.distributed_timeout_minutes,
-                      log_probs_chunk_size=t.log_probs_chunk_size)
+                      log_probs_chunk_size=t.log_probs_chunk_size,
+                      offload_train=s.colocate.offload_train)
 
 
 def _wandb_run(s: RunSettings, config: Mapping[str, Any] | None):
@@ -387,6 +442,10 @@ def run(settings: RunSettings, *, in_process: bool | None = None, sabotage_sync:
             megatron_backend.require_cuda()  # looked up at call time: tests stand in a CPU guard
         except megatron_backend.MegatronBackendUnavailable as e:  # `k3 train` reports a TrainingError in one line
             raise TrainingError(str(e)) from None
+    if not s.colocate.disable_weights_backuper:  # printed = in effect: no trainer here keeps such a copy
+        raise TrainingError("disable_weights_backuper False asks for a separate host copy of the trainer's weights; "
+                            "there is none here: with --offload-train the exporter reads the adapters from the "
+                            "memory saver's own backups (the recipe's --disable-weights-backuper)")
     spec = worker_spec(s)
     _require_expert_lora_kernel(training.expert_lora_kernel, spec.device)
     if training.backend == "torch" and s.layout.world_size > 1:

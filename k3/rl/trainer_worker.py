@@ -13,6 +13,7 @@ hands them to the engine, and every rank frees its bucket only after the engine'
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import struct
@@ -29,16 +30,18 @@ from k3.lora.export import export_chunks, load_peft_adapter, save_peft_adapter
 from k3.rl.grpo import GRPOConfig
 from k3.rl.replicas import replica_digests
 from k3.rl.trainers.megatron import build_megatron_policy
+from k3.rl.trainers.memory_regions import TrainerMemory, TrainerMemoryError, resident_bytes, trainer_regions
 from k3.rl.trainers.torch import PolicyTrainer
 from k3.rl.trainers.trajectory import Trajectory
 from k3.rollout.lora_model import load_lora_model
 from k3.settings.train import BACKENDS
 from k3.settings.worker import WorkerSpec
 from k3.tokenizer import load_tokenizer
+from k3.transport.device_memory import GIB, memory_reading, physical_bytes
 from k3.transport.fed_producer import FedProducer
 from k3.transport.feed_group import join_feeds
 from k3.transport.handoff import AdapterProducer, HandoffError, TransferBuffer
-from k3.transport.leakcheck import LeakCheck
+from k3.transport.leakcheck import LeakCheck, release_freed_heap
 from k3.transport.memory_cap import apply_gpu_memory_fraction
 from k3.transport.rank_feed import RankFeed, this_gpu, this_node
 
@@ -58,6 +61,8 @@ class TrainerWorker:
             print(capped, flush=True)
         self.tokenizer = load_tokenizer(spec.model_dir)
         self._megatron = spec.backend == "megatron"
+        # --offload-train: the policy is built inside the trainer's memory regions (memory_regions)
+        regions = trainer_regions(spec.offload_train, spec.device)
         if self._megatron:
             self.policy = build_megatron_policy(
                 spec.model_dir, spec.lora, self.tokenizer.pad_id, grpo, max_tokens_per_micro_batch,
@@ -69,15 +74,19 @@ class TrainerWorker:
                 optimizer_offload_fraction=spec.optimizer_offload_fraction,
                 check_for_nan_in_loss_and_grad=spec.check_for_nan_in_loss_and_grad,
                 distributed_timeout_minutes=spec.distributed_timeout_minutes,
-                log_probs_chunk_size=spec.log_probs_chunk_size)
+                log_probs_chunk_size=spec.log_probs_chunk_size, regions=regions)
         elif spec.backend == "torch":
             _refuse_megatron_only(spec)
-            self.policy = PolicyTrainer(load_lora_model(spec), pad_id=self.tokenizer.pad_id, grpo=grpo,
+            with regions.params() if regions is not None else contextlib.nullcontext():
+                model = load_lora_model(spec)
+            self.policy = PolicyTrainer(model, pad_id=self.tokenizer.pad_id, grpo=grpo,
                                         max_tokens_per_micro_batch=max_tokens_per_micro_batch, device=spec.device,
                                         log_probs_chunk_size=spec.log_probs_chunk_size,
                                         check_for_nan_in_loss_and_grad=spec.check_for_nan_in_loss_and_grad, rank=rank)
         else:
             raise ValueError(f"WorkerSpec.backend={spec.backend!r}: expected one of {BACKENDS}")
+        self.memory = (None if regions is None else
+                       TrainerMemory(regions, self.policy.model, self.policy.grad_buffers(), spec.device, rank))
         self.leak = LeakCheck(device=spec.device)
         self._syncs = 0
         self._producer = None
@@ -130,16 +139,69 @@ class TrainerWorker:
                                      same_process=same_process)
         self._export_only = False
 
+    # -- memory (--offload-train; recipe §5.1, §5.3: k3.rl.trainers.memory_regions)
+    def sleep(self) -> list[dict[str, Any]]:
+        """Drop the gradient buffers and pause the parameters; the ``before/after_offload`` readings ([] when
+        already asleep)."""
+        return self._regions("sleep").sleep()
+
+    def wake_up(self) -> list[dict[str, Any]]:
+        """Resume the parameters and the gradient buffers (zeroed), all or nothing; the ``before/after_wake_up``
+        readings ([] when awake)."""
+        return self._regions("wake_up").wake_up()
+
+    def offload_grad_buffer(self) -> list[dict[str, Any]]:
+        """Drop only the gradient buffers (the ``gpu`` peak order); the ``before/after_offload_grad_buffer``
+        readings ([] when already dropped)."""
+        return self._regions("offload_grad_buffer").offload_grad_buffer()
+
+    def clear_memory(self) -> list[dict[str, Any]]:
+        """Free what nothing references any more (the recipe's ``clear_memory``); no readings."""
+        self._regions("clear_memory").clear_memory()
+        return []
+
+    def device_memory(self) -> dict[str, Any]:
+        """This rank's device as a memory reading without a phase: ``memory/physical_gb`` (CUDA: the whole device,
+        every process on it; CPU: this process's RSS). The loop's reading of an engine that cannot report its own."""
+        return {"device": self.spec.device, "memory/physical_gb": physical_bytes(self.spec.device) / GIB}
+
+    def _regions(self, what: str) -> TrainerMemory:
+        if self.memory is None:
+            raise TrainerMemoryError(f"trainer rank {self.rank}: {what}() without --offload-train: this trainer "
+                                     "keeps its memory resident and has no regions to move", self.rank, what)
+        return self.memory
+
+    def _awake(self, what: str) -> None:
+        """Refuse ``what`` while the parameters or gradient buffers are away (a schedule bug, which on CUDA would
+        otherwise read unmapped memory)."""
+        if self.memory is not None:
+            self.memory.check_awake(what)
+
+    def _adapters_readable(self):
+        """The adapters readable for the export, asleep or awake (``TrainerMemory.readable``)."""
+        return contextlib.nullcontext() if self.memory is None else self.memory.readable()
+
+    def _reading(self, phase: str) -> dict[str, Any]:
+        """A ``memory`` reading of this rank (CPU: ``memory/allocated_gb`` is the resident parameter and
+        gradient-buffer bytes)."""
+        if self.memory is not None:
+            return self.memory.reading(phase)
+        resident = resident_bytes([*self.policy.model.parameters(), *self.policy.grad_buffers().tensors()])
+        return memory_reading(phase, self.spec.device, resident, rank=self.rank)
+
     # -- GRPO
     def log_probs(self, trajs: list[Trajectory]) -> list[list[float]]:
+        self._awake("log_probs")
         return self.policy.log_probs(trajs)
 
     def train_step(self, trajs: list[Trajectory]) -> dict[str, float]:
+        self._awake("train_step")
         return self.policy.train_step(trajs)
 
     def replica_digests(self) -> dict[str, Any]:
         """After an optimizer step: ``{"rank", "step", "digests": {label: digest}}`` of every adapter tensor this
         rank holds (``k3.rl.replicas``); ranks that hold replicas of a tensor give it the same label."""
+        self._awake("replica_digests")
         return {"rank": self.rank, "step": int(self.policy.steps), "digests": replica_digests(self.policy.model)}
 
     # -- sync
@@ -150,7 +212,7 @@ class TrainerWorker:
         ``k3.lora.digest.chunk_digest`` of each chunk as sent, in order (what the engine must report back)."""
         if self._producer is None and not self._export_only:
             raise RuntimeError("update_weights before connect(): the engine's adapter socket is not open")
-        before = self.leak.memory_record("before_update_weights", rank=self.rank)
+        before = self._reading("before_update_weights")
         t0 = time.perf_counter()
         n = 0
         digests: list[str] = []  # per chunk, of what is sent: the engine must report the same for what it activated
@@ -170,11 +232,13 @@ class TrainerWorker:
                 yield chunk
 
         if self._producer is None:  # export_only: run the collective stream to its end, send nothing
-            for chunk in counted():
-                del chunk  # one chunk held at a time
+            with self._adapters_readable():
+                for chunk in counted():
+                    del chunk  # one chunk held at a time
             return self._sync_result(version, n, t0, before, active_version=None, fed=False, digests=digests)
         try:
-            ack = self._producer.send_version(counted())
+            with self._adapters_readable():  # asleep (--offload-train): the exporter reads the backed-up adapters
+                ack = self._producer.send_version(counted())
         except HandoffError:
             # The engine went away mid-version: free the buckets it can no longer release, then fail the run
             # (--resume continues from the last adapter checkpoint).
@@ -201,18 +265,26 @@ class TrainerWorker:
         else:
             problems = self.leak.end_sync()
         self._syncs += 1
-        after = self.leak.memory_record("after_update_weights", rank=self.rank)
+        after = self._reading("after_update_weights")
+        # The sync's cleanup (the recipe's "after update_weights process-group cleanup"; no group is torn down here,
+        # memory_regions says why): cached blocks back to the device, freed heap back to the OS.
+        if torch.device(self.spec.device).type == "cuda":
+            torch.cuda.empty_cache()
+        release_freed_heap()
+        cleanup = self._reading("after_update_weights_cleanup")
         return {"version": version, "chunks": n, "perf/update_weights_time": elapsed,
-                "memory": [before, after], "engine_active_version": active_version,
+                "memory": [before, after, cleanup], "engine_active_version": active_version,
                 "fed_engine": fed, "leak_problems": list(problems), "chunk_digests": list(digests or [])}
 
     # -- adapter checkpoints
     def save_adapter(self, directory: str) -> str:
-        if self._megatron:
-            return str(self.policy.save_adapter(directory, base_model_name_or_path=self.spec.model_dir))
-        return str(save_peft_adapter(self.policy.model, directory, base_model_name_or_path=self.spec.model_dir))
+        with self._adapters_readable():  # the loop saves after the sync, with the trainer asleep
+            if self._megatron:
+                return str(self.policy.save_adapter(directory, base_model_name_or_path=self.spec.model_dir))
+            return str(save_peft_adapter(self.policy.model, directory, base_model_name_or_path=self.spec.model_dir))
 
     def load_adapter(self, directory: str) -> None:
+        self._awake("load_adapter")
         if self._megatron:
             self.policy.load_adapter(directory)
         else:
@@ -224,6 +296,7 @@ class TrainerWorker:
         return {"backend": "torch", "optimizer": self.policy.optimizer.state_dict(), "steps": self.policy.steps}
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        self._awake("load_optimizer_state")
         if self._megatron:
             self.policy.load_optimizer_state(state)
             return

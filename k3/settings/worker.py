@@ -23,7 +23,9 @@ class WorkerSpec:
     The trainer's guards and memory settings (``k3.settings.train``): ``use_distributed_optimizer``,
     ``optimizer_cpu_offload`` and ``optimizer_offload_fraction`` (megatron backend only: the torch backend refuses
     them set), ``check_for_nan_in_loss_and_grad`` and ``log_probs_chunk_size`` (both backends),
-    ``distributed_timeout_minutes`` (the megatron backend's process groups; fractions of a minute allowed)."""
+    ``distributed_timeout_minutes`` (the megatron backend's process groups; fractions of a minute allowed).
+    ``offload_train``: the trainer sleeps while the engines generate (``k3.rl.trainers.memory_regions``; the
+    engine ignores it)."""
 
     model_dir: str
     lora: LoRAConfig
@@ -48,3 +50,4 @@ class WorkerSpec:
     check_for_nan_in_loss_and_grad: bool = False
     distributed_timeout_minutes: float = 10
     log_probs_chunk_size: int = -1  # k3.settings.train.NO_LOG_PROBS_CHUNKING
+    offload_train: bool = False  # the trainer's memory regions and sleep / wake_up (--offload-train)

@@ -105,6 +105,11 @@ class RecordingTrainer(TrainerWorker):
 
         sglang.record("trainer", "offload_grad_buffer")
 
+    def clear_memory(self) -> None:
+        import sglang
+
+        sglang.record("trainer", "clear_memory")
+
     def update_weights(self, version: int):
         import sglang
 
@@ -166,7 +171,7 @@ def expected_timeline(peak: str, streamed: bool, n_chunks: int) -> list[str]:
     else:
         startup = [*release(kv), "trainer.init", "trainer.sleep"]
         before_train = [*release(kv), "trainer.wake_up", *release(weights)]
-        after_train = ["trainer.offload_grad_buffer", f"resume {weights}", "trainer.sleep"]
+        after_train = ["trainer.clear_memory", "trainer.offload_grad_buffer", f"resume {weights}", "trainer.sleep"]
     rollout = ["generate ['k3_lora']", *before_train, *after_train]
     return ["Engine", *startup, *sync(1), "generate ['k3_lora']",  # eval@0
             *rollout, *sync(2), *rollout, *sync(3), "generate ['k3_lora']",  # eval after rollout 1
@@ -405,13 +410,20 @@ def test_colocation_steps_are_the_recipes_orders():
     assert plain(colocate.before_train_steps("gpu", levels)) == [
         (E, "release_memory", ("kv_cache", "cuda_graph")), (T, "wake_up", ()), (E, "release_memory", ("weights",))]
     assert plain(colocate.after_train_steps("gpu", levels)) == [
-        (T, "offload_grad_buffer", ()), (E, "resume_memory", ("weights",)), (T, "sleep", ())]
+        (T, "clear_memory", ()), (T, "offload_grad_buffer", ()), (E, "resume_memory", ("weights",)), (T, "sleep", ())]
     assert plain(colocate.after_train_steps("cpu", levels)) == [(T, "sleep", ()), (E, "resume_memory", ("weights",))]
     # Without 'weight' in --offload-rollout-level the engine weights never move.
     assert plain(colocate.before_train_steps("gpu", ["kv_cache"])) == [
         (E, "release_memory", ("kv_cache", "cuda_graph")), (T, "wake_up", ())]
     assert plain(colocate.after_train_steps("cpu", ["kv_cache"])) == [(T, "sleep", ())]
-    assert all(s.optional for s in colocate.after_train_steps("gpu", levels) if s.target == T)
+    # Without --offload-train the trainer keeps its memory resident: only the engine steps remain, in order.
+    for peak in ("cpu", "gpu"):
+        for steps in (colocate.before_train_steps, colocate.after_train_steps):
+            assert plain(steps(peak, levels, offload_train=False)) == [
+                s for s in plain(steps(peak, levels)) if s[0] == E]
+    assert colocate.before_first_sync_steps("gpu", levels, offload_train=False) == []
+    # An engine that gave nothing up at start gets nothing back before the startup sync.
+    assert plain(colocate.before_first_sync_steps("cpu", levels, engines_released=False)) == [(T, "sleep", ())]
     with pytest.raises(ValueError, match="colocate_memory_peak_device='disk'"):
         colocate.before_train_steps("disk", levels)
 

@@ -53,8 +53,10 @@ def test_trainer_worker_hands_them_to_the_megatron_policy(tmp_path, monkeypatch)
     monkeypatch.setattr(trainer_worker, "build_megatron_policy", fake_policy)
     monkeypatch.setattr(trainer_worker, "load_tokenizer", lambda _: Tokenizer())
     r = _resolved(tmp_path, "--backend", "megatron", "--max-tokens-per-gpu", "4096")
-    spec = dataclasses.replace(worker_spec(r.settings), backend="megatron")
+    # --no-offload-train: the fake policy has no memory for the trainer's regions to manage
+    spec = dataclasses.replace(worker_spec(r.settings), backend="megatron", offload_train=False)
     trainer_worker.TrainerWorker(spec, GRPOConfig(), r.args.max_tokens_per_gpu)
+    assert seen["regions"] is None
     assert seen["max_tokens"] == 4096
     assert (seen["use_dynamic_batch_size"], seen["recompute_granularity"], seen["recompute_method"],
             seen["recompute_num_layers"]) == (True, "full", "uniform", 1)

@@ -152,6 +152,7 @@ def test_the_leak_baseline_is_taken_after_the_first_sync_that_follows_training()
     """Sync 0 (startup) and sync 1 (after the first train step, where the optimizer allocates its state) are the
     warm-up; every later sync is checked against the end of sync 1."""
     import time
+    from types import SimpleNamespace
 
     from k3.rl.trainer_worker import TrainerWorker
 
@@ -166,13 +167,13 @@ def test_the_leak_baseline_is_taken_after_the_first_sync_that_follows_training()
             self.calls.append("check")
             return ["CUDA allocated +2.00 MiB over baseline"] if len(self.calls) == 4 else []
 
-        def memory_record(self, phase, rank):
-            return {"phase": phase, "rank": rank}
-
     worker = TrainerWorker.__new__(TrainerWorker)
     worker.leak, worker.rank, worker._syncs = Gate(), 0, 0
+    worker.spec = SimpleNamespace(device="cpu")
+    worker._reading = lambda phase: {"phase": phase, "rank": 0}
     results = [worker._sync_result(v, 1, time.perf_counter(), {}, v, True) for v in (1, 2, 3, 4)]
     assert worker.leak.calls == ["baseline", "baseline", "check", "check"]
+    assert [m["phase"] for m in results[0]["memory"][1:]] == ["after_update_weights", "after_update_weights_cleanup"]
     assert [r["leak_problems"] for r in results] == [[], [], [], ["CUDA allocated +2.00 MiB over baseline"]]
 
 

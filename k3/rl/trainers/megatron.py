@@ -70,10 +70,11 @@ from k3.settings.parallel import ParallelLayout
 from k3.lora.export import (AdapterChunk, ChunkAllocator, ChunkSpec, ExportError, PEFT_PREFIX, chunk_layout,
                             read_peft_adapter_config, write_peft_adapter)
 from k3.rl.grpo import GRPOConfig, policy_loss
+from k3.rl.trainers.memory_regions import GRAD_BUFFER_TAG, GradBuffers, Regions
 from k3.rl.trainers.trajectory import Trajectory
 from k3.transport.handoff import flat_views, resolved_device
 
-__all__ = ["BACKEND", "MegatronPolicy", "build_megatron_policy"]
+__all__ = ["BACKEND", "DDPGradBuffers", "MegatronPolicy", "build_megatron_policy"]
 
 BACKEND = "megatron"  # tag of the optimizer state: a torch-backend state cannot be loaded here, and back
 
@@ -100,6 +101,7 @@ def build_megatron_policy(
     check_for_nan_in_loss_and_grad: bool = False,
     distributed_timeout_minutes: float = 10,
     log_probs_chunk_size: int = -1,
+    regions: Regions | None = None,
 ) -> MegatronPolicy:
     """Join the process group, create megatron's TP/EP/PP/CP groups for ``layout`` (its model-parallel sizes and
     pipeline split; None: one rank of everything, ``ParallelLayout.model_parallel()``) and build
@@ -111,7 +113,9 @@ def build_megatron_policy(
     (``init_parallel`` sets it from ``LOCAL_RANK``). ``use_dynamic_batch_size``: packed micro-batches and the
     recipe's loss (module docstring); ``recompute_*``: megatron's activation recompute
     (``k3.megatron.recompute.Recompute``; checked here, before any process group is joined). The guards and memory
-    settings (module docstring) are checked here too, the device last (the CPU offload needs CUDA)."""
+    settings (module docstring) are checked here too, the device last (the CPU offload needs CUDA). ``regions``: the trainer's memory regions
+    (``k3.rl.trainers.memory_regions``; the parameters and DDP's gradient buffers are built inside them), None
+    without ``--offload-train``."""
     from k3.megatron import optimizer as megatron_optimizer
     from k3.megatron.checkpoint import load_dist, load_hf_checkpoint, read_dist_config
     from k3.megatron.config import k3_transformer_config
@@ -160,10 +164,41 @@ def build_megatron_policy(
                                  optimizer_cpu_offload=optimizer_cpu_offload,
                                  optimizer_offload_fraction=optimizer_offload_fraction,
                                  log_probs_chunk_size=log_probs_chunk_size,
-                                 check_for_nan=check_for_nan_in_loss_and_grad)
+                                 check_for_nan=check_for_nan_in_loss_and_grad,
+                                 param_region=None if regions is None else regions.params,
+                                 grad_region=None if regions is None else regions.grad_buffers)
     return MegatronPolicy(trainer, cfg, lora, pad_id=pad_id, grpo=grpo,
                           max_tokens_per_micro_batch=max_tokens_per_micro_batch,
                           parallel=(layout.tp, layout.ep, layout.pp, layout.cp), dynamic_batch=use_dynamic_batch_size)
+
+
+class DDPGradBuffers(GradBuffers):
+    """Megatron DDP's gradient buffers (the dense and the expert-parallel ones of every model chunk) as the
+    trainer's sleep sees them: under the memory saver they are its ``grad_buffer`` region (paused: discarded;
+    resumed: zeroed); on CPU megatron's own ``offload_grad_buffers`` / ``restore_grad_buffers`` (storage resized to
+    0 and back, zeroed; every view — bucket, ``main_grad`` — stays valid)."""
+
+    def __init__(self, chunks: Sequence[Any]) -> None:
+        self.chunks = list(chunks)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [b.grad_data for c in self.chunks for b in (*c.buffers, *c.expert_parallel_buffers)]
+
+    def release(self, regions: Regions) -> None:
+        if regions.captures:
+            regions.pause(GRAD_BUFFER_TAG)
+            return
+        for chunk in self.chunks:
+            chunk.offload_grad_buffers(synchronize=False, empty_cache=False)
+
+    def restore(self, regions: Regions) -> None:
+        if regions.captures:
+            regions.resume(GRAD_BUFFER_TAG)
+            for chunk in self.chunks:
+                chunk.zero_grad_buffer()  # what the saver gives back is fresh, uninitialised memory
+            return
+        for chunk in self.chunks:
+            chunk.restore_grad_buffers(synchronize=False)
 
 
 @dataclass
@@ -575,6 +610,11 @@ class MegatronPolicy:
                              "with the optimizer that saved it")
         load_optimizer_state_dict(self.trainer.optimizer, state["optimizer"], self.trainer.model)
         self.steps = int(state["steps"])
+
+    # -- memory (k3.rl.trainers.memory_regions)
+    def grad_buffers(self) -> DDPGradBuffers:
+        """The DDP gradient buffers, for the trainer's sleep."""
+        return DDPGradBuffers(self.trainer.model)
 
     def close(self) -> None:
         """Tear down megatron's groups and the process group."""

@@ -21,6 +21,7 @@ from torch import nn
 
 from k3.rl.grpo import GRPOConfig, build_optimizer, policy_loss
 from k3.rl.trainers.log_probs import chunked_token_log_probs
+from k3.rl.trainers.memory_regions import ParamGrads
 from k3.rl.trainers.trajectory import Trajectory
 from k3.settings.train import NO_LOG_PROBS_CHUNKING, check_log_probs_chunk_size
 
@@ -186,3 +187,8 @@ class PolicyTrainer:
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"NaN/Inf at optimizer step {self.steps}, the step was not applied "
                                      f"(check_for_nan_in_loss_and_grad): rank {self.rank}: {'; '.join(parts)}")
+
+    # -- memory (k3.rl.trainers.memory_regions)
+    def grad_buffers(self) -> ParamGrads:
+        """The adapters' ``.grad`` tensors, for the trainer's sleep (dropped; autograd makes new ones)."""
+        return ParamGrads(self.params)

@@ -27,6 +27,7 @@ from k3.rollout.lora_model import load_lora_model
 from k3.rollout.protocol import GenerateRequest, Sample, SamplingParams
 from k3.settings.worker import WorkerSpec
 from k3.tokenizer import load_tokenizer
+from k3.transport.device_memory import GIB, physical_bytes
 from k3.transport.handoff import serve
 from k3.transport.memory_cap import apply_gpu_memory_fraction
 
@@ -138,6 +139,13 @@ class EngineWorker:
 
     def resume_memory(self, tags: Sequence[str]) -> None:
         self.engine.resume_memory(tags)
+
+    def memory_reading(self) -> dict[str, Any]:
+        """This engine's memory now, for the loop's ``memory`` events around a release or resume:
+        ``memory/physical_gb`` (CUDA: the device's total − free, every process on it; CPU: this process's RSS)
+        and ``memory/engine_weights_resident``."""
+        return {"device": self.spec.device, "memory/physical_gb": physical_bytes(self.spec.device) / GIB,
+                "memory/engine_weights_resident": "weights" not in self.engine.released_tags()}
 
     # The loop brackets every sync with these on every engine (recipe §5.4 steps 6-7). The embedded engine
     # generates only inside generate(), so nothing runs that could be paused: both are no-ops.

@@ -1,0 +1,67 @@
+"""Memory readings of a worker process: what the run's ``memory`` events hold (docs/RUN_DIRECTORY.md, "memory").
+
+Two numbers matter in colocation (recipe §5.6, issue #21):
+
+* **allocated** — on CUDA ``torch.cuda.memory_allocated``: the recipe's ``allocated_GB``. Memory paused by
+  torch_memory_saver keeps its virtual allocation, so a sleeping trainer's allocated stays at its footprint. On
+  CPU there is no allocator to ask: the caller passes the bytes it knows are materialised (the trainer's resident
+  parameters and gradient buffers, ``k3.rl.trainers.memory_regions``).
+* **physical** — on CUDA the device's total − free (``torch.cuda.mem_get_info``): the whole GPU, every process on
+  it included; it is what a colocated engine can still take. On CPU the process RSS.
+
+GB here is GiB (``bytes / 2**30``), what the recipe's ``print_memory`` calls GB.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psutil
+import torch
+
+__all__ = ["GIB", "memory_reading", "physical_bytes", "resolved_memory_device"]
+
+GIB = 1024**3
+
+
+def resolved_memory_device(device: torch.device | str) -> torch.device:
+    """``device`` with a CUDA index filled in (the current device when it has none)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def physical_bytes(device: torch.device | str) -> int:
+    """Bytes physically in use: on CUDA the device's total − free (all processes on it), else the RSS of this
+    process."""
+    device = resolved_memory_device(device)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return int(total - free)
+    return int(psutil.Process().memory_info().rss)
+
+
+def memory_reading(phase: str, device: torch.device | str, resident_bytes: int | None = None,
+                   **extra: Any) -> dict[str, Any]:
+    """One ``memory`` event record (without ``rollout_id``/``sync``: the loop adds them) for ``phase``.
+
+    CUDA: ``memory/allocated_gb`` = ``torch.cuda.memory_allocated`` (after a device sync), ``memory/reserved_gb``,
+    ``memory/physical_gb`` = total − free. CPU: ``memory/allocated_gb`` = ``resident_bytes`` (left out when None:
+    an engine reading has no allocated), ``memory/physical_gb`` = the process RSS. ``memory/rss_gb`` always.
+    ``extra`` (e.g. ``rank=0``) is added as is."""
+    device = resolved_memory_device(device)
+    rss = psutil.Process().memory_info().rss
+    record: dict[str, Any] = {"event": "memory", "phase": phase, "device": str(device)}
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        record["memory/allocated_gb"] = torch.cuda.memory_allocated(device) / GIB
+        record["memory/reserved_gb"] = torch.cuda.memory_reserved(device) / GIB
+    elif resident_bytes is not None:
+        if resident_bytes < 0:
+            raise ValueError(f"memory_reading: resident_bytes={resident_bytes} is negative")
+        record["memory/allocated_gb"] = resident_bytes / GIB
+    record["memory/physical_gb"] = physical_bytes(device) / GIB
+    record["memory/rss_gb"] = rss / GIB
+    record.update(extra)
+    return record
