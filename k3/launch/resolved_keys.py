@@ -280,7 +280,7 @@ _ENTRIES: tuple[ResolvedKey, ...] = (
              "may reserve (None: no cap)", LOOP, WORKER, "k3/rollout/embedded/worker.py"),
     _info("colocate", "trainer and engines share the devices", "k3 always colocates (the schedule of "
           "k3/rl/colocate.py); the value states it", pinned=True),
-    _applied("offload_train", "the trainer sleeps (releases its memory) while the engines generate", LOOP),
+    _applied("offload_train", "the trainer sleeps (releases its memory) while the engines generate", LOOP, WORKER),
     _applied("offload_rollout", "the engines release memory while the trainer trains", SERVER_ARGS),
     _applied("disable_weights_backuper", "the trainer keeps no host backup of its frozen base while asleep", LOOP),
     _applied("lora_transfer_buffer", "adapter chunks travel through one persistent buffer",

@@ -33,9 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Printed, registered with the reader they will have, and not read yet: wiring in flight (issue #22 items 3 and the
 # colocation issue). Empty this set as each lands (its reader check then passes and the xfail turns red).
-PENDING = {
-    "offload_train", "disable_weights_backuper",
-}
+PENDING: set[str] = set()
 
 _FULL = ("--mode normal --model-variant full --task dapo-math --num-nodes 16 --num-gpus-per-node 4 "
          "--pipeline-parallel-size 8 --context-parallel-size 2 --rollout-tp-size 16 --rollout-max-concurrency 8 "

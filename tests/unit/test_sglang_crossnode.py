@@ -605,5 +605,7 @@ def test_the_feed_groups_take_the_runs_distributed_timeout():
     from k3.rl.trainer_worker import _feed_group_timeout
     from k3.settings.worker import WorkerSpec
 
-    assert _feed_group_timeout(WorkerSpec(model_dir="m", lora=lora())) is None  # torch's default until set
+    assert _feed_group_timeout(WorkerSpec(model_dir="m", lora=lora())) == timedelta(minutes=10)  # the default
+    assert _feed_group_timeout(WorkerSpec(model_dir="m", lora=lora(), distributed_timeout_minutes=0.5)) == \
+        timedelta(seconds=30)
     assert _feed_group_timeout(SimpleNamespace(distributed_timeout_minutes=45)) == timedelta(minutes=45)
