@@ -231,6 +231,6 @@ def test_the_harness_reads_engine_readings_and_refuses_malformed_ones(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     run = read_run(tmp_path, finished=False)
     assert [str(p) for p in run.problems] == [
-        "metrics.jsonl:3: an engine's memory event needs a non-negative integer 'engine' and no 'rank', got 0; skipped",
-        "metrics.jsonl:4: an engine's memory event needs a non-negative integer 'engine' and no 'rank', got -1; "
-        "skipped"]
+        "metrics.jsonl:3: memory event with both 'rank' (a trainer rank's reading) and 'engine' (an engine's): give "
+        "one; skipped",
+        "metrics.jsonl:4: an engine's memory event needs a non-negative integer 'engine', got -1; skipped"]

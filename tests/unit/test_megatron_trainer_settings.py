@@ -114,10 +114,13 @@ def test_trainer_worker_hands_the_guards_to_either_backend(tmp_path, monkeypatch
     monkeypatch.setattr(trainer_worker, "load_lora_model", lambda spec: None)
     monkeypatch.setattr(trainer_worker, "load_tokenizer", lambda _: Tokenizer())
     r = _resolved(tmp_path, "--backend", "megatron", "--distributed-timeout-minutes", "7")
-    trainer_worker.TrainerWorker(dataclasses.replace(worker_spec(r.settings), backend="megatron"), GRPOConfig(), 64)
+    # offload_train off: the stand-in policies have no model to build memory regions around
+    trainer_worker.TrainerWorker(dataclasses.replace(worker_spec(r.settings), backend="megatron", offload_train=False),
+                                 GRPOConfig(), 64)
     assert tuple(seen["megatron"][k] for k in GUARD_KEYS) == (True, False, 0.0, True, 7, 512)
     r = _resolved(tmp_path)
-    trainer_worker.TrainerWorker(worker_spec(r.settings), GRPOConfig(), 64, rank=0)
+    trainer_worker.TrainerWorker(dataclasses.replace(worker_spec(r.settings), offload_train=False), GRPOConfig(), 64,
+                                 rank=0)
     assert (seen["torch"]["log_probs_chunk_size"], seen["torch"]["check_for_nan_in_loss_and_grad"],
             seen["torch"]["rank"]) == (512, True, 0)
 

@@ -60,6 +60,10 @@ def _serve(soft_timeout_s: int, memory_limit_bytes: int) -> None:
 
     channel = sys.stdout
     sys.stdout = sys.stderr  # a stray print from a library must not corrupt the protocol
+    # math-verify builds its LaTeX grammar and sympy's caches on first use; doing that before "ready" keeps the
+    # start-up cost under startup_timeout_s, so timeout_s bounds a grading alone, in a fresh child too.
+    verify(parse("$\\frac{1}{2}$", parsing_timeout=soft_timeout_s), parse("0.5", parsing_timeout=soft_timeout_s),
+           timeout_seconds=soft_timeout_s)
     channel.write(json.dumps({"ready": True}) + "\n")
     channel.flush()
     for line in sys.stdin:
