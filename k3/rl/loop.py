@@ -340,7 +340,8 @@ def _require_expert_lora_kernel(kernel: str, device: str) -> None:
 def _grpo_config(s: RunSettings) -> GRPOConfig:
     o = s.optimizer
     return GRPOConfig(eps_clip=s.grpo.eps_clip, eps_clip_high=s.grpo.eps_clip_high, std_eps=s.grpo.grpo_std_eps,
-                      lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), weight_decay=o.weight_decay)
+                      lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), weight_decay=o.weight_decay,
+                      optimizer=o.optimizer, sgd_momentum=o.sgd_momentum)
 
 
 def worker_spec(s: RunSettings) -> WorkerSpec:
