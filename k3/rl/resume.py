@@ -12,8 +12,9 @@
   - the trainer's optimizer state (``TrainerWorker.optimizer_state``). One rank: ``optimizer`` (the optimizer's
     ``state_dict()`` of tensors, numbers, strings and lists: a dict, or for megatron's chained optimizer a list of
     dicts, one per optimizer it chains), ``steps`` (int >= 0, optimizer steps taken) and ``backend``
-    (``"torch"`` or ``"megatron"``; absent: ``torch``); the megatron backend adds ``parallel`` ([TP, EP, PP, CP])
-    and ``dp``. Several ranks (``k3.rl.trainers.group.merge_rank_states``):
+    (``"torch"`` or ``"megatron"``; absent: ``torch``) and ``optimizer_kind`` (``"adam"`` or ``"sgd"``, the
+    optimizer that wrote it, which a resume must run too; absent: ``adam``); the megatron backend adds ``parallel``
+    ([TP, EP, PP, CP]) and ``dp``. Several ranks (``k3.rl.trainers.group.merge_rank_states``):
     rank 0's ``backend``, ``parallel``, ``dp``, ``steps``, the ``world_size`` and ``ranks``, the list of every
     rank's one-rank state above, in rank order.
 
