@@ -439,7 +439,7 @@ def run(settings: RunSettings, *, in_process: bool | None = None, sabotage_sync:
         if ckpt is not None:
             state = load_checkpoint_state(ckpt)
             trainer.call("load_adapter", str(ckpt))
-            load_optimizer_state(trainer, state)
+            load_optimizer_state(trainer, state, optimizer=s.optimizer.optimizer)
             loop.version, loop.next_sync = int(state["version"]), next_sync_index(s.run_dir)
             start = int(state["rollout_id"]) + 1
             writer.write("status", None, status="resumed", next_rollout=start,

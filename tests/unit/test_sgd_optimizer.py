@@ -216,6 +216,24 @@ def test_an_untagged_state_is_adams():
         _worker("sgd").load_optimizer_state(state)
 
 
+@pytest.mark.parametrize("state, kind", [
+    ({"optimizer": {}, "steps": 1}, "adam"),
+    ({"optimizer": {}, "steps": 1, "optimizer_kind": "sgd"}, "sgd"),
+    ({"world_size": 2, "ranks": [{"optimizer_kind": "sgd"}, {"optimizer_kind": "sgd"}]}, "sgd"),
+])
+def test_a_checkpoints_optimizer_is_read_from_its_first_rank(state, kind):
+    from k3.rl.resume import saved_optimizer_kind
+
+    assert saved_optimizer_kind(state) == kind
+
+
+def test_a_state_with_an_unknown_optimizer_tag_is_malformed():
+    from k3.rl.resume import trainer_state_problem
+
+    state = {"rollout_id": 0, "version": 1, "optimizer": {}, "steps": 1, "optimizer_kind": "rmsprop"}
+    assert trainer_state_problem(state) == "'optimizer_kind' is 'rmsprop', not one of adam, sgd"
+
+
 def test_load_torch_optimizer_state_refuses_before_it_loads():
     opt = build_optimizer(_params(), GRPOConfig(optimizer="sgd"))
     with pytest.raises(ValueError, match="saved by adam"):
@@ -251,3 +269,41 @@ def test_the_loop_hands_the_optimizer_to_both_trainers(mode, want):
     grpo = _grpo_config(r.settings)
     assert (grpo.optimizer, grpo.sgd_momentum) == want
     assert grpo.lr == r.optimizer.lr and grpo.weight_decay == r.optimizer.weight_decay
+
+
+# ---------------------------------------------------------------------------------------------- end to end
+def test_a_debug_minimal_run_trains_with_sgd_and_a_normal_mode_resume_of_it_is_refused(tmp_path, monkeypatch, capsys):
+    """``k3 train --mode debug_minimal`` (tiny, torch backend, in process) prints and saves SGD; resuming that run
+    in normal mode (Adam) stops, before any trainer loads anything, in one line."""
+    from k3.config import variant
+    from k3.launch.train import main as train_main
+    from k3.model import KimiK3ForCausalLM
+    from k3.rl.data.arith import write_arith_dataset
+    from k3.rl.resume import latest_checkpoint, load_checkpoint_state
+
+    monkeypatch.setenv("K3_IN_PROCESS", "1")
+    torch.manual_seed(0)
+    KimiK3ForCausalLM(variant("tiny").replace(quantization_config=None)).save_pretrained(tmp_path / "base")
+    write_arith_dataset(tmp_path / "data" / "arith", n_train=64, n_eval=8, seed=0)
+    run = tmp_path / "run"
+
+    def argv(mode: str, *extra: str) -> list[str]:
+        return ["--mode", mode, "--model-variant", "tiny", "--task", "arith", "--num-rollout", "1",
+                "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4",
+                "--rollout-max-response-len", "6", "--save-interval", "1", "--hf-checkpoint", str(tmp_path / "base"),
+                "--data-dir", str(tmp_path / "data"), "--run-dir", str(run), *extra]
+
+    assert train_main(argv("debug_minimal")) == 0
+    lines = (run / "resolved_config.txt").read_text().splitlines()
+    printed = {line.split()[0]: line.split()[-1] for line in lines if " ..." in line}
+    assert (printed["optimizer"], printed["sgd_momentum"], printed["lr"], printed["adam_beta1"]) == (
+        "sgd", "0.0", "1e-06", "None")
+    state = load_checkpoint_state(latest_checkpoint(run))
+    assert state["optimizer_kind"] == "sgd" and state["optimizer"]["state"] == {}  # momentum 0: no state
+    assert all(g["momentum"] == 0.0 and "betas" not in g for g in state["optimizer"]["param_groups"])
+    capsys.readouterr()
+    assert train_main(argv("normal", "--resume", "--num-rollout", "2")) == 1
+    err = capsys.readouterr().err
+    assert ("error: --resume: the optimizer state was saved by sgd; this run trains with adam: resume in the --mode "
+            "that saved it (debug_minimal: sgd, normal: adam), or start a new run") in err, err
+    assert "Traceback" not in err
