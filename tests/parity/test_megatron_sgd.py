@@ -13,6 +13,9 @@ split over the ranks), from the same adapters each time (B drawn non-zero, so ev
   ``torch.load(weights_only=True)``, and a resumed step equals the uninterrupted one bit for bit. The run's lr and
   momentum stay in effect over a state saved with others. An Adam state into SGD, and SGD into Adam, is refused in
   one line.
+
+On CUDA (``gpu``, one rank, no compatibility module): the distributed SGD over BF16 parameters at momentum 0 and
+``m``, its first step the closed form up to BF16 rounding, and its resume bit for bit.
 """
 
 from __future__ import annotations
@@ -46,6 +49,12 @@ def _policy(root: Path, *, optimizer: str = "sgd", momentum: float = 0.0, lr: fl
     state = {k: (0.05 * torch.randn(v.shape, generator=gen) if k.endswith("lora_B") else v)
              for k, v in sorted(gather_lora(policy.model).items())}
     load_lora(policy.model, state)
+    # BF16 parameters: the optimizer's fp32 main weights were copied from the parameters when it was built (B = 0),
+    # and load_lora writes the parameters only
+    optimizer = policy.trainer.optimizer
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if hasattr(part, "_copy_model_params_to_main_params"):
+            part._copy_model_params_to_main_params()
     return policy
 
 
@@ -182,8 +191,22 @@ def _sgd_worker(root: Path) -> None:
     destroy_parallel()
 
 
+def _sgd_gpu_worker(root: Path) -> None:
+    """CUDA (no compatibility module), one rank: megatron's distributed optimizer with SGD over BF16 parameters,
+    momentum 0 and MOMENTUM."""
+    from k3.megatron.parallel import destroy_parallel
+
+    out: dict = {}
+    _run(root, "distributed", out, use_distributed_optimizer=True, dtype=torch.bfloat16)
+    _run(root, "distributed_m", out, momentum=MOMENTUM, use_distributed_optimizer=True, dtype=torch.bfloat16)
+    for got in out.values():
+        got.pop("state_bytes", None)
+    torch.save(out, root / "sgd_gpu.pt")
+    destroy_parallel()
+
+
 if __name__ == "__main__":
-    {"sgd": _sgd_worker}[sys.argv[1]](Path(sys.argv[2]))
+    {"sgd": _sgd_worker, "sgd_gpu": _sgd_gpu_worker}[sys.argv[1]](Path(sys.argv[2]))
 
 
 # ---------------------------------------------------------------------------------------------- the tests
@@ -280,3 +303,20 @@ def test_an_optimizer_state_of_the_other_optimizer_is_refused(ranks, which):
             "saved it (debug_minimal: sgd, normal: adam), or start a new run")
         assert r[f"sgd_into_adam_{which}"].startswith(
             "ValueError: the optimizer state was saved by sgd; this run trains with adam")
+
+
+@pytest.mark.gpu
+def test_distributed_sgd_on_cuda_steps_the_closed_form_and_resumes_bit_for_bit(tmp_path):
+    from megatron_compat import run_workers
+    from tiny_checkpoint import write_tiny_checkpoint
+
+    write_tiny_checkpoint(tmp_path)
+    run_workers([__file__, "sgd_gpu", str(tmp_path)], nproc=1, timeout=600)
+    out = torch.load(tmp_path / "sgd_gpu.pt", weights_only=False)
+    for which, momentum in (("distributed", 0.0), ("distributed_m", MOMENTUM)):
+        got = out[which]
+        assert got["inner"] == ["torch.optim.sgd.SGD"] * 2 and got["distributed"] and got["resume_equal"], which
+        assert got["state_numel_1"] == (got["trainable"] if momentum else 0), which
+        for name, p0 in got["p0"].items():  # BF16 parameters: the fp32 main weight's closed form, rounded
+            want = p0.double() - LR * got["g0"][name].double()
+            torch.testing.assert_close(got["p1"][name].double(), want, rtol=8e-3, atol=1e-6, msg=name)
