@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["BACKENDS", "EXPERT_LORA_KERNELS", "NO_LOG_PROBS_CHUNKING", "OPTIMIZERS", "GRPOSettings",
-           "OptimizerSettings", "TrainingSettings", "check_log_probs_chunk_size", "keep_hyperparameters",
-           "optimizer_kind_problem", "optimizer_options_problem", "restore_hyperparameters"]
+__all__ = ["BACKENDS", "EXPERT_LORA_KERNELS", "HYPERPARAMETERS", "NO_LOG_PROBS_CHUNKING", "OPTIMIZERS",
+           "GRPOSettings", "OptimizerSettings", "TrainingSettings", "check_log_probs_chunk_size",
+           "keep_hyperparameters", "optimizer_kind_problem", "optimizer_options_problem", "restore_hyperparameters"]
 
 BACKENDS = ("torch", "megatron")  # --backend
 # --expert-lora-kernel. A copy of k3.kernels.expert_lora.function.KERNEL_CHOICES, which stays the source: kernels
@@ -36,11 +36,10 @@ def check_log_probs_chunk_size(value: int) -> int:
 def optimizer_options_problem(use_distributed_optimizer: bool, optimizer_cpu_offload: bool,
                               optimizer_offload_fraction: float, optimizer: str = "adam",
                               sgd_momentum: float = 0.0) -> str | None:
-    """What keeps the trainers (megatron-core 0.16.1 for the last three rules) from running these optimizer options
-    (one line), or None: ``optimizer`` one of :data:`OPTIMIZERS`, ``sgd_momentum`` in [0, 1), the offload fraction
-    in [0, 1], no fraction without the offload, the offload only under the distributed optimizer and only with
-    Adam. The device is checked where the optimizer is built (``k3.megatron.optimizer``): the offload also needs
-    CUDA."""
+    """What keeps the trainers from running these optimizer options (one line), or None: ``optimizer`` one of
+    :data:`OPTIMIZERS`, ``sgd_momentum`` in [0, 1), the offload fraction in [0, 1], no fraction without the offload,
+    the offload (megatron-core 0.16.1's) only under the distributed optimizer and only with Adam. The device is
+    checked where the optimizer is built (``k3.megatron.optimizer``): the offload also needs CUDA."""
     if optimizer not in OPTIMIZERS:
         return f"optimizer={optimizer!r}: expected one of {', '.join(OPTIMIZERS)}"
     m = sgd_momentum

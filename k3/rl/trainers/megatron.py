@@ -110,8 +110,9 @@ def build_megatron_policy(
     ``model_dir`` (``load_hf_checkpoint``), adapters seeded by ``seed``, megatron's optimizer of ``grpo``
     (``grpo.optimizer``: Adam or SGD, with its settings; default ``GRPOConfig()``, the recipe's normal mode).
     ``expert_lora_kernel``: ``torch`` or ``triton``, how the routed-expert adapters run (``apply_megatron_lora``).
-    On CUDA the model goes to the current device (``init_parallel`` sets it from ``LOCAL_RANK``). ``use_dynamic_batch_size``: packed micro-batches and the
-    recipe's loss (module docstring); ``recompute_*``: megatron's activation recompute
+    On CUDA the model goes to the current device (``init_parallel`` sets it from ``LOCAL_RANK``).
+    ``use_dynamic_batch_size``: packed micro-batches and the recipe's loss (module docstring); ``recompute_*``:
+    megatron's activation recompute
     (``k3.megatron.recompute.Recompute``; checked here, before any process group is joined). The guards and memory
     settings (module docstring) are checked here too, the device last (the CPU offload needs CUDA)."""
     from k3.megatron import optimizer as megatron_optimizer
