@@ -574,9 +574,10 @@ def _validate_batches(a: TrainArgs, layout: ParallelLayout) -> None:
 def _optimizer(a: TrainArgs, notes: list[str]) -> OptimizerSettings:
     megatron = a.backend == "megatron"
     if a.mode == "debug_minimal":
-        # The recipe's debug_minimal runs SGD (momentum 0); both trainers here build Adam (k3.rl.grpo.build_optimizer,
-        # k3.megatron.training), so Adam is what is printed. weight decay 0 and lr 1e-6 are the recipe's and applied.
-        return OptimizerSettings("adam", 0.0, 0.9, 0.98, 0.0, "constant", megatron, False, 0.0, lr=a.lr)
+        # The recipe's debug_minimal: SGD, momentum 0, weight decay 0, lr 1e-6, the distributed optimizer on megatron
+        # (both trainers build it: k3.rl.grpo.build_optimizer, k3.megatron.optimizer). The Adam betas do not apply
+        # (the dump prints them off: k3.launch.resolved_keys).
+        return OptimizerSettings("sgd", 0.0, 0.9, 0.98, 0.0, "constant", megatron, False, 0.0, lr=a.lr)
     # The recipe offloads 80% of the Adam state to the host; megatron-core does that for CUDA state only, so a run
     # without GPUs (megatron on CPU: tests) prints, and runs, no offload.
     offload = megatron and bool(a.num_gpus_per_node)

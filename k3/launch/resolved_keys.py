@@ -84,6 +84,8 @@ def _info(name: str, does: str, why: str, pinned: Any = None) -> ResolvedKey:
 
 
 MEGATRON = ("backend", "megatron")
+ADAM = ("optimizer", "adam")
+SGD = ("optimizer", "sgd")
 SGLANG = ("rollout_engine", "sglang")
 _LAYOUT = ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
            "data_parallel_size", "expert_model_parallel_size", "num_layers", "pipeline_layers",
@@ -94,7 +96,7 @@ _ENTRIES: tuple[ResolvedKey, ...] = (
     # ------------------------------------------------------------------ run
     _derived("mode", "debug_minimal or normal: the sizes, learning rate and optimizer settings it fills in",
              ("num_rollout", "rollout_batch_size", "n_samples_per_prompt", "global_batch_size",
-              "rollout_max_response_len", "reward_model", "lr", "weight_decay", "sglang_context_length")),
+              "rollout_max_response_len", "reward_model", "lr", "optimizer", "weight_decay", "sglang_context_length")),
     _applied("run_id", "names the run: its status events, the W&B group and the Ray placement group",
              LOOP, "k3/launch/placement.py"),
     _applied("run_dir", "where the run writes metrics.jsonl, resolved_config.* and adapters/", LOOP),
@@ -245,12 +247,15 @@ _ENTRIES: tuple[ResolvedKey, ...] = (
     _applied("check_for_nan_in_loss_and_grad", "a NaN loss or gradient stops the run naming rank and step", LOOP,
              WORKER, MEGATRON_POLICY, "k3/rl/trainers/torch.py"),
     # ------------------------------------------------------------------ optimizer
-    _info("optimizer", "the optimizer", "both trainers build Adam (k3/rl/grpo.py: build_optimizer; "
-          "k3/megatron/training.py: OptimizerConfig(optimizer='adam')) in either mode; the recipe's "
-          "debug_minimal SGD is not implemented", pinned="adam"),
-    _applied("weight_decay", "Adam's decoupled weight decay", LOOP),
-    _applied("adam_beta1", "Adam's beta1", LOOP),
-    _applied("adam_beta2", "Adam's beta2", LOOP),
+    _applied("optimizer", "the optimizer both trainers build: sgd (debug_minimal) or adam (normal)", LOOP,
+             "k3/rl/grpo.py", MEGATRON_POLICY, "k3/megatron/training.py", "k3/megatron/optimizer.py"),
+    _applied("weight_decay", "the optimizer's weight decay (Adam: decoupled; SGD: added to the gradient)", LOOP),
+    _applied("adam_beta1", "Adam's beta1", LOOP, ("k3/rl/grpo.py", "betas"), (MEGATRON_POLICY, "betas"),
+             "k3/megatron/optimizer.py", only_with=ADAM),
+    _applied("adam_beta2", "Adam's beta2", LOOP, ("k3/rl/grpo.py", "betas"), (MEGATRON_POLICY, "betas"),
+             "k3/megatron/optimizer.py", only_with=ADAM),
+    _applied("sgd_momentum", "SGD's momentum factor", LOOP, "k3/rl/grpo.py", MEGATRON_POLICY,
+             "k3/megatron/training.py", "k3/megatron/optimizer.py", only_with=SGD),
     _info("lr_decay_style", "the learning-rate schedule", "neither trainer has a schedule: the rate stays at lr",
           pinned="constant"),
     _applied("use_distributed_optimizer", "megatron's distributed optimizer over the LoRA parameters", LOOP, WORKER,
@@ -294,7 +299,6 @@ REGISTRY: dict[str, ResolvedKey] = {e.name: e for e in _ENTRIES}
 
 # Settings fields the dump leaves out: nothing applies them (each says why).
 NOT_PRINTED: dict[str, str] = {
-    "sgd_momentum": "no SGD optimizer exists (both trainers build Adam)",
     "train_memory_margin_bytes": "no code keeps such a margin: the engines' memory is sized by "
                                  "sglang_mem_fraction_static / sglang_max_total_tokens",
     "sglang_server_concurrency": "k3 drives SGLang's engine in process; there is no HTTP server to limit",

@@ -1,6 +1,15 @@
-"""Megatron-core's optimizer over the LoRA factors: Adam, plain or distributed, optionally stepping part of its state
-on the host; and the state a resume saves and loads.
+"""Megatron-core's optimizer over the LoRA factors: Adam or SGD, plain or distributed, optionally stepping part of
+Adam's state on the host; and the state a resume saves and loads.
 
+- **SGD** (``optimizer="sgd"``, the recipe's debug_minimal: momentum 0, lr 1e-6, weight decay 0): megatron's
+  ``OptimizerConfig(optimizer="sgd", sgd_momentum=…)`` (its default momentum is 0.9, so it is always passed).
+  Without TransformerEngine or apex (this project) megatron-core steps it with ``torch.optim.SGD``, the recipe's
+  choice: at momentum 0 it holds no state at all (TE's FusedSGD would allocate a momentum buffer anyway).
+  megatron-core 0.16.1's ``DistributedOptimizer`` asserts on any inner optimizer but Adam "due to checkpointing
+  requirements" (its ``state_dict`` / ``load_state_dict`` read Adam's ``step`` and ``exp_avg``), though its step,
+  reduce-scatter and all-gather do not depend on the optimizer; so the distributed SGD is built with that one
+  check widened to megatron's SGD class for the call (:func:`_distributed_optimizer_admits_sgd`), and its state is
+  saved and loaded here, without megatron's Adam-only readers (below).
 - **Distributed** (``distributed``, the recipe's ``--use-distributed-optimizer``): megatron's
   ``DistributedOptimizer``. DDP reduce-scatters the gradient buffer instead of all-reducing it; each data-parallel
   rank holds the Adam state (fp32 main weights, ``exp_avg``, ``exp_avg_sq``) of its 1/DP slice of the buffer only,
@@ -13,7 +22,8 @@ on the host; and the state a resume saves and loads.
   streams; the rest steps on the GPU. What megatron-core 0.16.1 needs for it, so what
   :func:`check_optimizer_options` refuses otherwise, in one line: the distributed optimizer (the path Megatron-LM
   validates), CUDA (it moves CUDA parameters and runs on CUDA streams; on CPU it cannot step), and a fraction in
-  [0, 1]. A fraction above 0 without the offload is refused too: it would be printed and never applied.
+  [0, 1]; and Adam (the recipe offloads in normal mode only; k3 saves and loads no hybrid SGD state). A fraction
+  above 0 without the offload is refused too: it would be printed and never applied.
   The recipe also passes ``--use-precision-aware-optimizer``, with which the hybrid optimizer holds the fp32 main
   weights itself; megatron-core's ``OptimizerConfig`` needs TransformerEngine for that (it fails without it), and
   this project runs without TE. So here the GPU keeps the fp32 main weights of its slice and the host holds the
@@ -25,34 +35,48 @@ no parameter state (megatron keeps that in a separate file); its own reader, ``l
 parameter state along under ``param_state``, in one of megatron's formats. The one used here is
 ``dp_reshardable``: per bucket of the gradient buffer, per parameter range this rank owns, its main weights and Adam
 moments (``get_parameter_state_dp_reshardable``), so every rank saves and reads its own slice with no collective
-(the load then all-gathers the restored weights, as a step does).
+(the load then all-gathers the restored weights, as a step does). The distributed SGD's state is the same
+``dp_reshardable`` parameter state (fp32 main weights, and the momentum buffers where SGD has made them: none at
+momentum 0), tagged ``optimizer_kind: "sgd"``, with none of megatron's Adam-only ``state_dict()``.
+
+Either load keeps the run's hyperparameters (lr, weight decay, betas, momentum:
+``k3.settings.train.keep_hyperparameters``), which megatron's and torch's loaders would replace with the saved
+run's; and a state of the other optimizer (Adam into SGD, or back) is refused in one line before anything is
+loaded.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
+import megatron.core.optimizer as megatron_optimizers
 import torch
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import distrib_optimizer as distrib_module
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import ChainedOptimizer
 
-from k3.settings.train import optimizer_options_problem
+from k3.settings.train import (keep_hyperparameters, optimizer_kind_problem, optimizer_options_problem,
+                               restore_hyperparameters)
 
 __all__ = ["OptimizerOptionError", "build_megatron_optimizer", "check_optimizer_options", "is_distributed",
-           "load_optimizer_state_dict", "optimizer_state_dict", "require_offload_device"]
+           "load_optimizer_state_dict", "optimizer_kind", "optimizer_state_dict", "require_offload_device"]
 
 DP_RESHARDABLE = "dp_reshardable"  # megatron's name of the per-rank, bucket-ordered parameter-state format
+KIND_KEY = "optimizer_kind"  # the tag of a distributed SGD part's state (megatron's Adam state has none)
 
 
 class OptimizerOptionError(ValueError):
     """An optimizer setting megatron-core cannot honour here; the message names the setting and what to change."""
 
 
-def check_optimizer_options(distributed: bool, cpu_offload: bool, offload_fraction: float) -> None:
+def check_optimizer_options(distributed: bool, cpu_offload: bool, offload_fraction: float, optimizer: str = "adam",
+                            sgd_momentum: float = 0.0) -> None:
     """Refuse, in one line, a combination megatron-core 0.16.1 cannot run (module docstring; the rule is
     ``k3.settings.train.optimizer_options_problem``, which the run's settings check at parse time); not the device."""
-    problem = optimizer_options_problem(distributed, cpu_offload, offload_fraction)
+    problem = optimizer_options_problem(distributed, cpu_offload, offload_fraction, optimizer, sgd_momentum)
     if problem is not None:
         raise OptimizerOptionError(problem)
 
@@ -66,14 +90,31 @@ def require_offload_device() -> None:
                                    "turn the offload off")
 
 
+@contextlib.contextmanager
+def _distributed_optimizer_admits_sgd() -> Iterator[None]:
+    """While open, megatron-core 0.16.1's ``DistributedOptimizer`` accepts megatron's SGD class as its inner
+    optimizer: its constructor's only check is ``isinstance(optimizer, (Adam, AdamW, HybridDeviceOptimizer))`` on
+    the module's name ``Adam``, widened here to the tuple ``(Adam, SGD)`` (``isinstance`` takes nested tuples).
+    Nothing else in that module reads the name; the checkpoint code it guards is not used for SGD (module
+    docstring)."""
+    adam = distrib_module.Adam
+    distrib_module.Adam = (adam, megatron_optimizers.SGD)
+    try:
+        yield
+    finally:
+        distrib_module.Adam = adam
+
+
 def build_megatron_optimizer(model: list, *, lr: float, weight_decay: float, clip_grad: float,
                              betas: tuple[float, float], adam_eps: float, bf16: bool, params_dtype: torch.dtype,
-                             distributed: bool = False, cpu_offload: bool = False, offload_fraction: float = 0.0):
-    """Megatron's Adam (decoupled weight decay, i.e. AdamW; megatron exempts 1-D parameters and biases from decay)
-    over the trainable parameters of the DDP-wrapped ``model`` chunks, plain or distributed, with the CPU offload
-    of the module docstring. ``model``'s DDP must have been built with ``use_distributed_optimizer=distributed``.
+                             distributed: bool = False, cpu_offload: bool = False, offload_fraction: float = 0.0,
+                             optimizer: str = "adam", sgd_momentum: float = 0.0):
+    """Megatron's ``optimizer`` over the trainable parameters of the DDP-wrapped ``model`` chunks: Adam (decoupled
+    weight decay, i.e. AdamW; ``betas``, ``adam_eps``) or SGD (``sgd_momentum``; weight decay added to the
+    gradient); megatron exempts 1-D parameters and biases from decay. Plain or distributed, with Adam's CPU offload
+    (module docstring). ``model``'s DDP must have been built with ``use_distributed_optimizer=distributed``.
     Raises :class:`OptimizerOptionError` first (one line) for a combination or a device that cannot run it."""
-    check_optimizer_options(distributed, cpu_offload, offload_fraction)
+    check_optimizer_options(distributed, cpu_offload, offload_fraction, optimizer, sgd_momentum)
     for chunk in model:
         if chunk.ddp_config.use_distributed_optimizer != distributed:
             raise OptimizerOptionError(f"the model's DDP has use_distributed_optimizer="
@@ -81,13 +122,17 @@ def build_megatron_optimizer(model: list, *, lr: float, weight_decay: float, cli
                                        "build both with the same setting")
     if cpu_offload:
         require_offload_device()
-    config = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=weight_decay, clip_grad=clip_grad,
-                             adam_beta1=betas[0], adam_beta2=betas[1], adam_eps=adam_eps, bf16=bf16,
+    config = OptimizerConfig(optimizer=optimizer, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad,
+                             adam_beta1=betas[0], adam_beta2=betas[1], adam_eps=adam_eps,
+                             sgd_momentum=float(sgd_momentum), bf16=bf16,
                              params_dtype=params_dtype, use_distributed_optimizer=distributed,
                              optimizer_cpu_offload=cpu_offload,
                              optimizer_offload_fraction=float(offload_fraction) if cpu_offload else 0.0,
                              # the recipe's overlap of the host step's copies (module docstring: no precision-aware path)
                              overlap_cpu_optimizer_d2h_h2d=cpu_offload)
+    if optimizer == "sgd" and distributed:
+        with _distributed_optimizer_admits_sgd():
+            return get_megatron_optimizer(config, model)
     return get_megatron_optimizer(config, model)
 
 
@@ -98,6 +143,14 @@ def _parts(optimizer) -> list:
 def is_distributed(optimizer) -> bool:
     """Whether ``optimizer`` (megatron's, chained or not) is the distributed optimizer."""
     return any(isinstance(part, DistributedOptimizer) for part in _parts(optimizer))
+
+
+def optimizer_kind(optimizer) -> str:
+    """``"adam"`` or ``"sgd"``: the optimizer ``optimizer`` (megatron's, chained or not) was built as."""
+    kinds = {part.config.optimizer for part in _parts(optimizer)}
+    if len(kinds) != 1:
+        raise ValueError(f"the chained optimizers were built as {sorted(kinds)}: expected one optimizer")
+    return kinds.pop()
 
 
 def _host_copy(value: Any) -> Any:
@@ -111,11 +164,8 @@ def _host_copy(value: Any) -> Any:
     return value
 
 
-def _distributed_part_state(part: DistributedOptimizer) -> dict[str, Any]:
-    if len(part.optimizer.state) == 0:
-        # Never stepped: no Adam state exists yet (and megatron's state_dict() needs one to read the step count).
-        return {"never_stepped": True}
-    state = part.state_dict()
+def _param_state(part: DistributedOptimizer) -> dict[str, Any]:
+    """Host copies of this rank's ``dp_reshardable`` parameter state (main weights and the optimizer's state)."""
     param_state = _host_copy(part.get_parameter_state_dp_reshardable())
     for key, per_dtype in param_state.items():
         if isinstance(key, int):  # a gradient buffer: {dtype: [bucket: [owned parameter range: tensors]]}
@@ -124,7 +174,19 @@ def _distributed_part_state(part: DistributedOptimizer) -> dict[str, Any]:
                     for entry in bucket:
                         # The reader skips padding entries; this rank's own ranges hold none.
                         entry["padding"] = False
-    state["param_state"] = param_state
+    return param_state
+
+
+def _distributed_part_state(part: DistributedOptimizer) -> dict[str, Any]:
+    if part.config.optimizer == "sgd":
+        # megatron's state_dict() reads Adam's per-parameter ``step``; SGD's state is its main weights and momentum
+        # buffers (none at momentum 0, and the main weights matter even then: BF16 parameters round them).
+        return {KIND_KEY: "sgd", "param_state": _param_state(part), "param_state_sharding_type": DP_RESHARDABLE}
+    if len(part.optimizer.state) == 0:
+        # Never stepped: no Adam state exists yet (and megatron's state_dict() needs one to read the step count).
+        return {"never_stepped": True}
+    state = part.state_dict()
+    state["param_state"] = _param_state(part)
     state["param_state_sharding_type"] = DP_RESHARDABLE
     return state
 
@@ -132,41 +194,80 @@ def _distributed_part_state(part: DistributedOptimizer) -> dict[str, Any]:
 def optimizer_state_dict(optimizer) -> dict[str, Any] | list[dict[str, Any]]:
     """This rank's optimizer state (module docstring): megatron's ``state_dict()`` for the plain optimizer; for the
     distributed one, per optimizer it chains (dense, then expert-parallel parameters), its ``state_dict()`` plus
-    host copies of this rank's parameter state. A list when megatron chains several optimizers, as its own
-    ``state_dict()``."""
+    host copies of this rank's parameter state (SGD: the parameter state alone, tagged). A list when megatron
+    chains several optimizers, as its own ``state_dict()``."""
     if not is_distributed(optimizer):
         return optimizer.state_dict()
     parts = [_distributed_part_state(part) for part in _parts(optimizer)]
     return parts[0] if len(parts) == 1 else parts
 
 
+def _load_distributed_sgd(part: DistributedOptimizer, part_state: dict[str, Any]) -> None:
+    """Restore ``_distributed_part_state``'s SGD state: the main weights, and exactly the momentum buffers it holds
+    (megatron's reader copies into the state entries the optimizer has, so they are made to match first)."""
+    state, inner = part_state["param_state"], part.optimizer
+    for gbuf_idx, gbuf_range_maps in enumerate(part.gbuf_ranges):
+        for dtype, range_maps in gbuf_range_maps.items():
+            for bucket_idx, range_map in enumerate(range_maps):
+                saved = [e for e in state[gbuf_idx][dtype][bucket_idx] if not e["padding"]]
+                if len(saved) != len(range_map["param_map"]):
+                    raise ValueError(f"the optimizer state holds {len(saved)} parameter ranges in bucket "
+                                     f"{bucket_idx}, this rank owns {len(range_map['param_map'])}: it was saved for "
+                                     "another model or layout")
+                for entry, model_param in zip(saved, range_map["param_map"]):
+                    group_index, group_order = part.model_param_group_index_map[model_param]
+                    main_param = inner.param_groups[group_index]["params"][group_order]
+                    inner.state.pop(main_param, None)
+                    if "momentum_buffer" in entry:
+                        inner.state[main_param]["momentum_buffer"] = torch.empty_like(main_param)
+    part.load_parameter_state_from_dp_reshardable(state)
+
+
 @torch.no_grad()  # the fp32 main weights are views of the parameters (leaves that require grad)
-def load_optimizer_state_dict(optimizer, state: dict[str, Any] | list[dict[str, Any]], model: list) -> None:
-    """Restore :func:`optimizer_state_dict` output into ``optimizer`` (built for the same layout). For the
-    distributed optimizer, the restored main weights are then written into the model's parameters and all-gathered
-    over the data-parallel ranks (what its step does after an update), so every replica holds them at once rather
-    than only this rank's slice until the next step. Collective over the data-parallel group(s)."""
+def load_optimizer_state_dict(optimizer, state: dict[str, Any] | list[dict[str, Any]], model: list,
+                              saved_kind: str = "adam") -> None:
+    """Restore :func:`optimizer_state_dict` output, saved by a ``saved_kind`` optimizer (``"adam"`` / ``"sgd"``),
+    into ``optimizer`` (built for the same layout), keeping the run's hyperparameters (module docstring); a state
+    of the other kind raises ``ValueError`` (one line) before anything is loaded. For the distributed optimizer,
+    the restored main weights are then written into the model's parameters and all-gathered over the data-parallel
+    ranks (what its step does after an update), so every replica holds them at once rather than only this rank's
+    slice until the next step. Collective over the data-parallel group(s)."""
+    kind = optimizer_kind(optimizer)
+    problem = optimizer_kind_problem(saved_kind, kind)
+    if problem is not None:
+        raise ValueError(problem)
+    kept = keep_hyperparameters(optimizer.param_groups)
     if not is_distributed(optimizer):
         optimizer.load_state_dict(state)
+        restore_hyperparameters(optimizer.param_groups, kept)
         return
     parts = _parts(optimizer)
     states = state if isinstance(state, list) else [state]
     if len(states) != len(parts):
         raise ValueError(f"the optimizer state holds {len(states)} optimizer(s), this optimizer chains {len(parts)}: "
                          "it was saved for another model or layout")
+    for part_state in states:
+        problem = optimizer_kind_problem(part_state.get(KIND_KEY, "adam"), kind)
+        if problem is not None:
+            raise ValueError(problem)
     for part, part_state in zip(parts, states):
         if part_state.get("never_stepped"):
             continue  # a fresh optimizer is what was saved
         if part_state.get("param_state_sharding_type") != DP_RESHARDABLE:
             raise ValueError("the optimizer state holds no distributed-optimizer parameter state (saved by the plain "
                              "optimizer?): resume with the optimizer that saved it")
-        part.load_state_dict(part_state)
-        # Without TE/apex, megatron gives every parameter's state one shared ``step`` tensor; torch's Adam then adds
-        # 1 to it once per parameter at the next step (the bias correction of step 3 + N instead of 3): unshare.
-        for param_state in part.optimizer.state.values():
-            if isinstance(param_state.get("step"), torch.Tensor):
-                param_state["step"] = param_state["step"].clone()
+        if kind == "sgd":
+            _load_distributed_sgd(part, part_state)
+        else:
+            part.load_state_dict(part_state)
+            # Without TE/apex, megatron gives every parameter's state one shared ``step`` tensor; torch's Adam then
+            # adds 1 to it once per parameter at the next step (the bias correction of step 3 + N instead of 3):
+            # unshare.
+            for param_state in part.optimizer.state.values():
+                if isinstance(param_state.get("step"), torch.Tensor):
+                    param_state["step"] = param_state["step"].clone()
         # megatron's step does these two after an update (step_with_ready_grads)
         part._copy_main_params_to_model_params()
+    restore_hyperparameters(optimizer.param_groups, kept)
     for chunk in model:
         chunk.start_param_sync(force_sync=True)

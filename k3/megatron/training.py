@@ -397,19 +397,22 @@ def build_lora_trainer(
     check_for_nan: bool = False,
     param_region: Region | None = None,
     grad_region: Region | None = None,
+    optimizer: str = "adam",
+    sgd_momentum: float = 0.0,
 ) -> MegatronLoRATrainer:
     """This rank's trainer: model from ``config``, base weights via ``load_base(model)`` (e.g.
     ``partial(load_dist, load=DCP)`` or ``partial(load_hf_checkpoint, hf_dir=…, cfg=…)``), adapters from
-    ``lora``, megatron's Adam over the adapters (``k3.megatron.optimizer.build_megatron_optimizer``: plain or
-    ``use_distributed_optimizer``, ``optimizer_cpu_offload`` of ``optimizer_offload_fraction``; refused before the
-    model is built when megatron-core cannot run them); ``expert_lora_kernel`` as ``apply_megatron_lora``'s;
+    ``lora``, megatron's ``optimizer`` over the adapters (``k3.megatron.optimizer.build_megatron_optimizer``: Adam
+    with ``betas`` / ``adam_eps``, or SGD with ``sgd_momentum``; plain or ``use_distributed_optimizer``,
+    ``optimizer_cpu_offload`` of ``optimizer_offload_fraction``; refused before the model is built when
+    megatron-core cannot run them); ``expert_lora_kernel`` as ``apply_megatron_lora``'s;
     ``log_probs_chunk_size`` and ``check_for_nan`` as ``MegatronLoRATrainer``'s. ``param_region`` /
     ``grad_region``: where the parameters and DDP's gradient buffers are allocated (the trainer's memory regions,
     ``k3.megatron.ddp_regions``; None: the ordinary allocator); the optimizer is built outside both. Call after
     ``k3.megatron.parallel.init_parallel``."""
     # Refusals first, before the model is built (looked up at call time: a CPU test stands in the device check).
     megatron_optimizer.check_optimizer_options(use_distributed_optimizer, optimizer_cpu_offload,
-                                               optimizer_offload_fraction)
+                                               optimizer_offload_fraction, optimizer, sgd_momentum)
     if optimizer_cpu_offload:
         megatron_optimizer.require_offload_device()
     check_log_probs_chunk_size(log_probs_chunk_size)
@@ -423,17 +426,17 @@ def build_lora_trainer(
                                                use_distributed_optimizer=use_distributed_optimizer)
     ddp = build_ddp_in_regions(lambda: DistributedDataParallel(config=config, ddp_config=ddp_config, module=model),
                                param_region, grad_region)
-    optimizer = megatron_optimizer.build_megatron_optimizer(
+    built = megatron_optimizer.build_megatron_optimizer(
         [ddp], lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, betas=betas, adam_eps=adam_eps, bf16=config.bf16,
         params_dtype=config.params_dtype, distributed=use_distributed_optimizer, cpu_offload=optimizer_cpu_offload,
-        offload_fraction=optimizer_offload_fraction)
+        offload_fraction=optimizer_offload_fraction, optimizer=optimizer, sgd_momentum=sgd_momentum)
     # Megatron's lr scheduler is what turns a group's wd_mult / lr_mult into its settings; there is none here
     # (constant lr, the recipe's), so apply them once.
-    for group in optimizer.param_groups:
+    for group in built.param_groups:
         group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)
         group["lr"] = lr * group.get("lr_mult", 1.0)
-    config.grad_scale_func = optimizer.scale_loss
+    config.grad_scale_func = built.scale_loss
     config.no_sync_func = ddp.no_sync
     # the trainer sets config.finalize_model_grads_func (K3's finalize, behind the NaN guard when it is on)
-    return MegatronLoRATrainer(config=config, model=[ddp], optimizer=optimizer,
+    return MegatronLoRATrainer(config=config, model=[ddp], optimizer=built,
                                log_probs_chunk_size=log_probs_chunk_size, check_for_nan=check_for_nan)

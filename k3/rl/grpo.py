@@ -8,25 +8,32 @@ Facts from the public recipe (miles ``--advantage-estimator grpo --kl-loss-coef 
   sample per prompt has no spread: its advantage is 0 (the sample std would be NaN).
 - Loss: per token, ``max(-r·A, -clip(r, 1 - 0.2, 1 + 0.28)·A)`` with ``r = exp(logp - logp_old)``; averaged
   over the response tokens of the global batch (loss mask); no KL term, no reference model, no entropy bonus.
-- Optimizer: Megatron's Adam with ``decoupled_weight_decay=True`` (its default, and required by the recipe's
-  ``--optimizer-cpu-offload``), i.e. AdamW: lr 1e-5 constant, betas (0.9, 0.98), eps 1e-8, weight decay 0.1;
-  Megatron exempts 1-D parameters and biases from decay. Gradients are clipped at global norm 1.0
+- Optimizer, normal mode: Megatron's Adam with ``decoupled_weight_decay=True`` (its default, and required by the
+  recipe's ``--optimizer-cpu-offload``), i.e. AdamW: lr 1e-5 constant, betas (0.9, 0.98), eps 1e-8, weight decay
+  0.1; Megatron exempts 1-D parameters and biases from decay. debug_minimal: torch's SGD (the recipe's: TE's
+  FusedSGD would allocate a momentum buffer even at momentum 0), momentum 0, lr 1e-6, weight decay 0; torch's SGD
+  adds weight decay to the gradient (L2), as megatron's does. Gradients are clipped at global norm 1.0
   (Megatron's ``--clip-grad`` default; the recipe does not change it).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
+from k3.settings.train import (keep_hyperparameters, optimizer_kind_problem, optimizer_options_problem,
+                               restore_hyperparameters)
+
 
 @dataclass(frozen=True)
 class GRPOConfig:
-    """The recipe's GRPO and optimizer settings (normal mode)."""
+    """The recipe's GRPO and optimizer settings (the defaults: normal mode). ``optimizer``: ``adam`` or ``sgd``
+    (``k3.settings.train.OPTIMIZERS``); ``betas`` and ``adam_eps`` apply to Adam, ``sgd_momentum`` to SGD."""
 
     eps_clip: float = 0.2
     eps_clip_high: float = 0.28
@@ -36,6 +43,13 @@ class GRPOConfig:
     adam_eps: float = 1e-8
     weight_decay: float = 0.1
     clip_grad: float = 1.0
+    optimizer: str = "adam"
+    sgd_momentum: float = 0.0
+
+    def __post_init__(self) -> None:
+        problem = optimizer_options_problem(False, False, 0.0, self.optimizer, self.sgd_momentum)
+        if problem is not None:
+            raise ValueError(problem)
 
 
 def group_advantages(
@@ -168,8 +182,10 @@ def _some(names: list[str]) -> str:
 
 def build_optimizer(
     params: nn.Module | Iterable[tuple[str, nn.Parameter]], config: GRPOConfig = GRPOConfig()
-) -> torch.optim.AdamW:
-    """AdamW over the LoRA parameters, with the recipe's settings.
+) -> torch.optim.Optimizer:
+    """``config.optimizer`` over the LoRA parameters, with the recipe's settings: ``torch.optim.AdamW`` (lr, betas,
+    eps, decoupled weight decay) or ``torch.optim.SGD`` (lr, ``sgd_momentum``, L2 weight decay; no dampening, no
+    Nesterov: megatron's SGD). Either way 1-D parameters and biases get no weight decay (megatron's groups).
 
     ``params`` is a model (its trainable parameters are taken) or ``(name, parameter)`` pairs. Refused: a
     trainable parameter that is not LoRA (the base must be frozen), a frozen LoRA parameter, a parameter
@@ -211,4 +227,28 @@ def build_optimizer(
     groups = [{"params": decay, "weight_decay": config.weight_decay}]
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum)
     return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.adam_eps)
+
+
+def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
+    """``"sgd"`` or ``"adam"``: which of ``build_optimizer``'s optimizers ``optimizer`` is (the tag of its saved
+    state)."""
+    if isinstance(optimizer, torch.optim.SGD):
+        return "sgd"
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return "adam"
+    raise TypeError(f"{type(optimizer).__name__} is not an optimizer build_optimizer makes (AdamW or SGD)")
+
+
+def load_torch_optimizer_state(optimizer: torch.optim.Optimizer, state: Mapping[str, Any], saved_kind: str) -> None:
+    """Load a torch optimizer's ``state_dict()`` saved by a ``saved_kind`` optimizer (``"adam"`` / ``"sgd"``) into
+    ``optimizer``, keeping the run's hyperparameters (``k3.settings.train.keep_hyperparameters``); a state of the
+    other kind raises ``ValueError`` (one line) before anything is loaded."""
+    problem = optimizer_kind_problem(saved_kind, optimizer_kind(optimizer))
+    if problem is not None:
+        raise ValueError(problem)
+    kept = keep_hyperparameters(optimizer.param_groups)
+    optimizer.load_state_dict(dict(state))
+    restore_hyperparameters(optimizer.param_groups, kept)

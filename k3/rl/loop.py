@@ -394,7 +394,8 @@ def _require_expert_lora_kernel(kernel: str, device: str) -> None:
 def _grpo_config(s: RunSettings) -> GRPOConfig:
     o = s.optimizer
     return GRPOConfig(eps_clip=s.grpo.eps_clip, eps_clip_high=s.grpo.eps_clip_high, std_eps=s.grpo.grpo_std_eps,
-                      lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), weight_decay=o.weight_decay)
+                      lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), weight_decay=o.weight_decay,
+                      optimizer=o.optimizer, sgd_momentum=o.sgd_momentum)
 
 
 def worker_spec(s: RunSettings) -> WorkerSpec:
@@ -497,7 +498,7 @@ def run(settings: RunSettings, *, in_process: bool | None = None, sabotage_sync:
         if ckpt is not None:
             state = load_checkpoint_state(ckpt)
             trainer.call("load_adapter", str(ckpt))
-            load_optimizer_state(trainer, state)
+            load_optimizer_state(trainer, state, optimizer=s.optimizer.optimizer)
             loop.version, loop.next_sync = int(state["version"]), next_sync_index(s.run_dir)
             start = int(state["rollout_id"]) + 1
             writer.write("status", None, status="resumed", next_rollout=start,

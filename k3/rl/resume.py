@@ -12,8 +12,9 @@
   - the trainer's optimizer state (``TrainerWorker.optimizer_state``). One rank: ``optimizer`` (the optimizer's
     ``state_dict()`` of tensors, numbers, strings and lists: a dict, or for megatron's chained optimizer a list of
     dicts, one per optimizer it chains), ``steps`` (int >= 0, optimizer steps taken) and ``backend``
-    (``"torch"`` or ``"megatron"``; absent: ``torch``); the megatron backend adds ``parallel`` ([TP, EP, PP, CP])
-    and ``dp``. Several ranks (``k3.rl.trainers.group.merge_rank_states``):
+    (``"torch"`` or ``"megatron"``; absent: ``torch``) and ``optimizer_kind`` (``"adam"`` or ``"sgd"``, the
+    optimizer that wrote it, which a resume must run too; absent: ``adam``); the megatron backend adds ``parallel``
+    ([TP, EP, PP, CP]) and ``dp``. Several ranks (``k3.rl.trainers.group.merge_rank_states``):
     rank 0's ``backend``, ``parallel``, ``dp``, ``steps``, the ``world_size`` and ``ranks``, the list of every
     rank's one-rank state above, in rank order.
 
@@ -43,9 +44,11 @@ from safetensors import safe_open
 from k3.lora.export import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME
 from k3.rl.errors import TrainingError, last_line
 from k3.rl.trainers.group import RANKS_KEY, is_trainer_group, merge_rank_states, split_rank_states
+from k3.settings.train import OPTIMIZERS, optimizer_kind_problem
 
 __all__ = ["STATE_NAME", "latest_checkpoint", "next_sync_index", "load_checkpoint_state", "load_optimizer_state",
-           "load_trainer_state", "optimizer_state", "remove_stale_temp_dirs", "save_checkpoint", "trainer_state_problem"]
+           "load_trainer_state", "optimizer_state", "remove_stale_temp_dirs", "save_checkpoint", "saved_optimizer_kind",
+           "trainer_state_problem"]
 
 STATE_NAME = "trainer_state.pt"
 _RESUME_HINT = "; resume from an earlier checkpoint by removing this one, or start a fresh --run-dir"
@@ -231,6 +234,8 @@ def _optimizer_problem(state: Any, whose: str) -> str | None:
                 "them)")
     if not _is_count(state.get("steps")):
         return f"{whose}'steps' is {state.get('steps')!r}, not an integer >= 0"
+    if state.get("optimizer_kind", "adam") not in OPTIMIZERS:
+        return f"{whose}'optimizer_kind' is {state.get('optimizer_kind')!r}, not one of {', '.join(OPTIMIZERS)}"
     return None
 
 
@@ -246,9 +251,22 @@ def optimizer_state(trainer: Any) -> dict[str, Any]:
     return merge_rank_states(trainer.call("optimizer_state"))
 
 
-def load_optimizer_state(trainer: Any, state: dict[str, Any]) -> None:
+def saved_optimizer_kind(state: dict[str, Any]) -> str:
+    """The optimizer that wrote a checkpoint's optimizer state: its (first rank's) ``optimizer_kind``; a state
+    without one predates SGD and is Adam's."""
+    ranks = state.get(RANKS_KEY)
+    first = ranks[0] if isinstance(ranks, list) and ranks else state
+    return first.get("optimizer_kind", "adam")
+
+
+def load_optimizer_state(trainer: Any, state: dict[str, Any], optimizer: str | None = None) -> None:
     """Give every rank its own part of a checkpoint's optimizer state (``split_rank_states``); a checkpoint of
-    another rank count raises ``TrainingError``."""
+    another rank count, or (``optimizer``: the run's, ``adam`` / ``sgd``) one written by the other optimizer, raises
+    ``TrainingError`` (one line) before any rank loads anything."""
+    if optimizer is not None:
+        problem = optimizer_kind_problem(saved_optimizer_kind(state), optimizer)
+        if problem is not None:
+            raise TrainingError(f"--resume: {problem}")
     group = is_trainer_group(trainer)
     try:
         states = split_rank_states(state, trainer.world_size if group else 1)

@@ -27,7 +27,7 @@ import torch
 
 from k3.lora.digest import chunk_digest
 from k3.lora.export import export_chunks, load_peft_adapter, save_peft_adapter
-from k3.rl.grpo import GRPOConfig
+from k3.rl.grpo import GRPOConfig, load_torch_optimizer_state, optimizer_kind
 from k3.rl.replicas import replica_digests
 from k3.rl.trainers.megatron import build_megatron_policy
 from k3.rl.trainers.memory_regions import TrainerMemory, TrainerMemoryError, resident_bytes, trainer_regions
@@ -293,7 +293,8 @@ class TrainerWorker:
     def optimizer_state(self) -> dict[str, Any]:
         if self._megatron:
             return self.policy.optimizer_state()
-        return {"backend": "torch", "optimizer": self.policy.optimizer.state_dict(), "steps": self.policy.steps}
+        return {"backend": "torch", "optimizer_kind": optimizer_kind(self.policy.optimizer),
+                "optimizer": self.policy.optimizer.state_dict(), "steps": self.policy.steps}
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
         self._awake("load_optimizer_state")
@@ -303,7 +304,8 @@ class TrainerWorker:
         if state.get("backend", "torch") != "torch":  # untagged states predate the tag: the torch backend's
             raise ValueError(f"the optimizer state was saved by the {state['backend']} backend; this run trains "
                              "with --backend torch: resume with the run's backend, or start a new run")
-        self.policy.optimizer.load_state_dict(state["optimizer"])
+        # untagged states predate SGD: Adam's; the other optimizer's state is refused, the run's hyperparameters kept
+        load_torch_optimizer_state(self.policy.optimizer, state["optimizer"], state.get("optimizer_kind", "adam"))
         self.policy.steps = int(state["steps"])
 
     def close(self) -> None:

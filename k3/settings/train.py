@@ -6,9 +6,11 @@ Pure data: the standard library only. Field names are keys of the resolved-confi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["BACKENDS", "EXPERT_LORA_KERNELS", "NO_LOG_PROBS_CHUNKING", "GRPOSettings", "OptimizerSettings",
-           "TrainingSettings", "check_log_probs_chunk_size", "optimizer_options_problem"]
+__all__ = ["BACKENDS", "EXPERT_LORA_KERNELS", "HYPERPARAMETERS", "NO_LOG_PROBS_CHUNKING", "OPTIMIZERS",
+           "GRPOSettings", "OptimizerSettings", "TrainingSettings", "check_log_probs_chunk_size",
+           "keep_hyperparameters", "optimizer_kind_problem", "optimizer_options_problem", "restore_hyperparameters"]
 
 BACKENDS = ("torch", "megatron")  # --backend
 # --expert-lora-kernel. A copy of k3.kernels.expert_lora.function.KERNEL_CHOICES, which stays the source: kernels
@@ -17,6 +19,8 @@ BACKENDS = ("torch", "megatron")  # --backend
 EXPERT_LORA_KERNELS = ("auto", "torch", "triton")
 # log_probs_chunk_size: the recipe's (miles') --log-probs-chunk-size, whose default -1 means one pass over all tokens.
 NO_LOG_PROBS_CHUNKING = -1
+# The optimizers both trainers build: the recipe's normal mode runs Adam (decoupled weight decay), debug_minimal SGD.
+OPTIMIZERS = ("adam", "sgd")
 
 
 def check_log_probs_chunk_size(value: int) -> int:
@@ -30,11 +34,19 @@ def check_log_probs_chunk_size(value: int) -> int:
 
 
 def optimizer_options_problem(use_distributed_optimizer: bool, optimizer_cpu_offload: bool,
-                              optimizer_offload_fraction: float) -> str | None:
-    """What keeps megatron-core 0.16.1 from running these optimizer options (one line), or None. The device is
+                              optimizer_offload_fraction: float, optimizer: str = "adam",
+                              sgd_momentum: float = 0.0) -> str | None:
+    """What keeps the trainers from running these optimizer options (one line), or None: ``optimizer`` one of
+    :data:`OPTIMIZERS`, ``sgd_momentum`` in [0, 1), the offload fraction in [0, 1], no fraction without the offload,
+    the offload (megatron-core 0.16.1's) only under the distributed optimizer and only with Adam. The device is
     checked where the optimizer is built (``k3.megatron.optimizer``): the offload also needs CUDA."""
+    if optimizer not in OPTIMIZERS:
+        return f"optimizer={optimizer!r}: expected one of {', '.join(OPTIMIZERS)}"
+    m = sgd_momentum
+    if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0.0 <= m < 1.0:  # NaN fails the range too
+        return f"sgd_momentum={m!r}: expected a momentum factor in [0, 1)"
     f = optimizer_offload_fraction
-    if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:  # NaN fails the range too
+    if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
         return f"optimizer_offload_fraction={f!r}: expected a fraction in [0, 1]"
     if f > 0 and not optimizer_cpu_offload:
         return (f"optimizer_offload_fraction={f:g} without optimizer_cpu_offload: nothing would be offloaded; set the "
@@ -42,16 +54,51 @@ def optimizer_options_problem(use_distributed_optimizer: bool, optimizer_cpu_off
     if optimizer_cpu_offload and not use_distributed_optimizer:
         return ("optimizer_cpu_offload needs use_distributed_optimizer: megatron-core's hybrid CPU/GPU optimizer is "
                 "run under the distributed optimizer (the pairing Megatron-LM validates)")
+    if optimizer_cpu_offload and optimizer != "adam":
+        return (f"optimizer_cpu_offload with optimizer={optimizer!r}: the offload is wired (and its state saved for "
+                "a resume) for Adam only, the recipe's normal mode; SGD at momentum 0 holds no state to offload")
     return None
+
+
+def optimizer_kind_problem(saved: str, have: str) -> str | None:
+    """Why an optimizer state saved by the ``saved`` optimizer (one of :data:`OPTIMIZERS`) cannot resume a run of
+    ``have`` (one line), or None when they are the same: Adam's moments mean nothing to SGD, and a resume must not
+    run on with another optimizer's hyperparameters."""
+    if saved == have:
+        return None
+    return (f"the optimizer state was saved by {saved}; this run trains with {have}: resume in the --mode that "
+            "saved it (debug_minimal: sgd, normal: adam), or start a new run")
+
+
+# The hyperparameters an optimizer's param group holds that the run's settings set (torch's Adam/AdamW and SGD
+# names, which megatron's optimizers carry too).
+HYPERPARAMETERS = ("lr", "weight_decay", "betas", "eps", "momentum", "dampening", "nesterov")
+
+
+def keep_hyperparameters(param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The run's hyperparameters of each param group (those of :data:`HYPERPARAMETERS` it holds), to put back after
+    an optimizer state is loaded: torch's ``load_state_dict`` (and megatron's, which calls it) replaces them with
+    the saving run's, so a resume would run on with that run's lr, momentum or betas instead of the printed ones."""
+    return [{k: g[k] for k in HYPERPARAMETERS if k in g} for g in param_groups]
+
+
+def restore_hyperparameters(param_groups: list[dict[str, Any]], kept: list[dict[str, Any]]) -> None:
+    """Put :func:`keep_hyperparameters` output back into ``param_groups`` (the same groups, in the same order)."""
+    if len(kept) != len(param_groups):
+        raise ValueError(f"the optimizer has {len(param_groups)} param groups after the load, {len(kept)} before")
+    for group, values in zip(param_groups, kept):
+        group.update(values)
 
 
 @dataclass(frozen=True)
 class OptimizerSettings:
-    """The optimizer of the mode: debug_minimal = SGD (momentum 0, lr 1e-6), normal = Adam (β 0.9 / 0.98).
-    ``lr``: the learning rate in effect (debug_minimal replaces --lr). ``use_distributed_optimizer``: megatron's
-    distributed optimizer (Adam state sharded over data-parallel ranks); ``optimizer_cpu_offload`` /
-    ``optimizer_offload_fraction``: that fraction of it on the host (needs the distributed optimizer and CUDA);
-    the megatron backend applies the three, the torch backend (one rank) none: it needs them False / 0."""
+    """The optimizer of the mode: debug_minimal = SGD (``sgd_momentum`` 0, lr 1e-6), normal = Adam (β 0.9 /
+    0.98); ``optimizer`` one of :data:`OPTIMIZERS`, built by both trainers; ``adam_beta1`` / ``adam_beta2`` apply
+    to Adam only, ``sgd_momentum`` to SGD only. ``lr``: the learning rate in effect (debug_minimal replaces --lr).
+    ``use_distributed_optimizer``: megatron's distributed optimizer (the optimizer state and fp32 main weights
+    sharded over data-parallel ranks); ``optimizer_cpu_offload`` / ``optimizer_offload_fraction``: that fraction
+    of it on the host (needs the distributed optimizer, Adam and CUDA); the megatron backend applies the three,
+    the torch backend (one rank) none: it needs them False / 0."""
 
     optimizer: str
     weight_decay: float
@@ -66,7 +113,7 @@ class OptimizerSettings:
 
     def __post_init__(self) -> None:
         problem = optimizer_options_problem(self.use_distributed_optimizer, self.optimizer_cpu_offload,
-                                            self.optimizer_offload_fraction)
+                                            self.optimizer_offload_fraction, self.optimizer, self.sgd_momentum)
         if problem is not None:
             raise ValueError(problem)
 

@@ -162,9 +162,9 @@ def test_mode_and_task_defaults(mode, task, expected):
 def test_mode_optimizer_and_memory_margin():
     debug = resolve(TrainArgs(run_id="t"))
     assert debug.args.lr == 1e-6
-    # The recipe's debug_minimal runs SGD; both trainers here build Adam, so Adam is what resolves (and prints).
-    assert (debug.optimizer.optimizer, debug.optimizer.weight_decay, debug.optimizer.lr_decay_style) == (
-        "adam", 0.0, "constant")
+    # The recipe's debug_minimal runs SGD at momentum 0 (both trainers build it: tests/unit/test_sgd_optimizer.py).
+    assert (debug.optimizer.optimizer, debug.optimizer.sgd_momentum, debug.optimizer.weight_decay,
+            debug.optimizer.lr_decay_style) == ("sgd", 0.0, 0.0, "constant")
     assert debug.colocate.train_memory_margin_bytes == 2 * GIB
     assert debug.rollout.sglang_context_length == 8192
     normal = resolve(TrainArgs(mode="normal", run_id="t"))

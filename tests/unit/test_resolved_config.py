@@ -98,7 +98,8 @@ def test_to_dict_holds_every_flag_and_section():
                 "rollout_temperature", "env"):
         assert key in d
     # Settings fields nothing applies are left out (k3.launch.resolved_keys.NOT_PRINTED).
-    assert "train_memory_margin_bytes" not in d and "sgd_momentum" not in d
+    assert "train_memory_margin_bytes" not in d
+    assert (d["optimizer"], d["sgd_momentum"]) == ("sgd", 0.0)  # debug_minimal's SGD, which both trainers build
     # An even split passes no first/last sizes.
     assert d["decoder_first_pipeline_num_layers"] is None and d["decoder_last_pipeline_num_layers"] is None
 

@@ -2,9 +2,12 @@
 holds this machine's paths) of a default tiny, a default full and a full sglang/megatron resolve are byte-identical
 to the golden copies under ``tests/fixtures/resolved_config/``, taken before the run settings moved to
 ``k3.settings``. The harness and the recipe's health check read these keys: a settings refactor must not move one.
-Retaken once since (issue #22): the keys nothing applied left the dump (refused flags, ``NOT_PRINTED``), the
+Retaken twice since (issue #22). First: the keys nothing applied left the dump (refused flags, ``NOT_PRINTED``), the
 optimizer prints ``adam`` in debug_minimal too (what both trainers build), ``save`` is ``<run_dir>/adapters``, and a
-key only another backend or engine applies prints its off value (``k3.launch.resolved_keys``).
+key only another backend or engine applies prints its off value (``k3.launch.resolved_keys``). Then, when
+the recipe's debug_minimal SGD became real (the default tiny and full resolves are debug_minimal): they print
+``optimizer sgd`` and ``sgd_momentum 0.0`` with the Adam betas off (``None``), and the normal-mode resolve prints
+``sgd_momentum None``.
 
 The ``LD_PRELOAD`` shim is stubbed (resolve builds it where a GPU run asks for it; whether a C compiler is there
 would otherwise decide ``ipc_unlink_shim``), and ``SLURM_JOB_NUM_NODES`` is unset (the default of --num-nodes).

@@ -34,7 +34,9 @@ splits over CP and TP.
 Activation recompute (``recompute_granularity`` / ``recompute_method`` / ``recompute_num_layers``) is megatron's
 (``k3.megatron.recompute``); it changes the memory held, never the numbers.
 
-The run's guards and memory settings, applied by ``k3.megatron``: ``use_distributed_optimizer`` /
+The optimizer is ``grpo.optimizer``'s: Adam (normal mode) or SGD (debug_minimal), plain or distributed, each with
+its own optimizer state (tagged, so a resume with the other is refused). The run's guards and memory settings,
+applied by ``k3.megatron``: ``use_distributed_optimizer`` /
 ``optimizer_cpu_offload`` / ``optimizer_offload_fraction`` (``k3.megatron.optimizer``; the optimizer state of a
 checkpoint then holds each rank's slice, and says which optimizer wrote it), ``check_for_nan_in_loss_and_grad``
 (``k3.megatron.nan_guard``: the error names the ranks and the optimizer step), ``distributed_timeout_minutes``
@@ -107,11 +109,12 @@ def build_megatron_policy(
     pipeline split; None: one rank of everything, ``ParallelLayout.model_parallel()``) and build
     this rank's policy: the K3 config of the BF16 HF checkpoint ``model_dir`` (the engine's), base weights from
     the torch_dist checkpoint ``ref_load`` when given (``load_dist``, any source layout) or else from
-    ``model_dir`` (``load_hf_checkpoint``), adapters seeded by ``seed``, megatron's Adam with ``grpo``'s
-    settings (default ``GRPOConfig()``, the recipe's). ``expert_lora_kernel``: ``torch`` or ``triton``, how the
-    routed-expert adapters run (``apply_megatron_lora``). On CUDA the model goes to the current device
-    (``init_parallel`` sets it from ``LOCAL_RANK``). ``use_dynamic_batch_size``: packed micro-batches and the
-    recipe's loss (module docstring); ``recompute_*``: megatron's activation recompute
+    ``model_dir`` (``load_hf_checkpoint``), adapters seeded by ``seed``, megatron's optimizer of ``grpo``
+    (``grpo.optimizer``: Adam or SGD, with its settings; default ``GRPOConfig()``, the recipe's normal mode).
+    ``expert_lora_kernel``: ``torch`` or ``triton``, how the routed-expert adapters run (``apply_megatron_lora``).
+    On CUDA the model goes to the current device (``init_parallel`` sets it from ``LOCAL_RANK``).
+    ``use_dynamic_batch_size``: packed micro-batches and the recipe's loss (module docstring); ``recompute_*``:
+    megatron's activation recompute
     (``k3.megatron.recompute.Recompute``; checked here, before any process group is joined). The guards and memory
     settings (module docstring) are checked here too, the device last (the CPU offload needs CUDA). ``regions``: the trainer's memory regions
     (``k3.rl.trainers.memory_regions``; the parameters and DDP's gradient buffers are built inside them), None
@@ -125,14 +128,14 @@ def build_megatron_policy(
     from k3.settings.train import check_log_probs_chunk_size
 
     recompute = Recompute(recompute_granularity, recompute_method, recompute_num_layers)
+    grpo = GRPOConfig() if grpo is None else grpo
     megatron_optimizer.check_optimizer_options(use_distributed_optimizer, optimizer_cpu_offload,
-                                               optimizer_offload_fraction)
+                                               optimizer_offload_fraction, grpo.optimizer, grpo.sgd_momentum)
     check_log_probs_chunk_size(log_probs_chunk_size)
     collective_timeout(distributed_timeout_minutes)
     if optimizer_cpu_offload:
         megatron_optimizer.require_offload_device()
 
-    grpo = GRPOConfig() if grpo is None else grpo
     engine_cfg = K3Config.from_json(model_dir)
     if engine_cfg.is_quantized and ref_load is None:
         # The recipe's pairing: the engine loads the native MXFP4 release, the trainer its torch_dist conversion.
@@ -166,7 +169,8 @@ def build_megatron_policy(
                                  log_probs_chunk_size=log_probs_chunk_size,
                                  check_for_nan=check_for_nan_in_loss_and_grad,
                                  param_region=None if regions is None else regions.params,
-                                 grad_region=None if regions is None else regions.grad_buffers)
+                                 grad_region=None if regions is None else regions.grad_buffers,
+                                 optimizer=grpo.optimizer, sgd_momentum=grpo.sgd_momentum)
     return MegatronPolicy(trainer, cfg, lora, pad_id=pad_id, grpo=grpo,
                           max_tokens_per_micro_batch=max_tokens_per_micro_batch,
                           parallel=(layout.tp, layout.ep, layout.pp, layout.cp), dynamic_batch=use_dynamic_batch_size)
@@ -580,19 +584,20 @@ class MegatronPolicy:
     # -- optimizer state
     def optimizer_state(self) -> dict[str, Any]:
         """Megatron's optimizer state (this rank's: ``k3.megatron.optimizer.optimizer_state_dict``; with the
-        distributed optimizer, this rank's slice), whether it is the distributed optimizer's, the step count and
-        the layout it belongs to."""
-        from k3.megatron.optimizer import is_distributed, optimizer_state_dict
+        distributed optimizer, this rank's slice), whether it is the distributed optimizer's, which optimizer
+        (``adam`` / ``sgd``), the step count and the layout it belongs to."""
+        from k3.megatron.optimizer import is_distributed, optimizer_kind, optimizer_state_dict
 
         optimizer = self.trainer.optimizer
         return {"backend": BACKEND, "parallel": list(self.parallel), "dp": self.dp,
-                "distributed_optimizer": is_distributed(optimizer), "optimizer": optimizer_state_dict(optimizer),
-                "steps": self.steps}
+                "distributed_optimizer": is_distributed(optimizer), "optimizer_kind": optimizer_kind(optimizer),
+                "optimizer": optimizer_state_dict(optimizer), "steps": self.steps}
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
         """Restore ``optimizer_state()`` output (collective over the data-parallel ranks with the distributed
-        optimizer); a state of the torch backend, of another layout or of the other kind of optimizer (plain /
-        distributed; a state without the tag is the plain one's) raises ``ValueError``."""
+        optimizer); a state of the torch backend, of another layout, of the other kind of optimizer (plain /
+        distributed; a state without the tag is the plain one's) or of the other optimizer (Adam / SGD; untagged:
+        Adam) raises ``ValueError``. The run's hyperparameters stay in effect."""
         from k3.megatron.optimizer import is_distributed, load_optimizer_state_dict
 
         backend = state.get("backend", "torch")
@@ -608,7 +613,9 @@ class MegatronPolicy:
             kinds = {True: "the distributed optimizer", False: "the plain (non-distributed) optimizer"}
             raise ValueError(f"the optimizer state was saved by {kinds[saved]}; this run uses {kinds[have]}: resume "
                              "with the optimizer that saved it")
-        load_optimizer_state_dict(self.trainer.optimizer, state["optimizer"], self.trainer.model)
+        # untagged states predate SGD: Adam's (load_optimizer_state_dict refuses the other kind, one line)
+        load_optimizer_state_dict(self.trainer.optimizer, state["optimizer"], self.trainer.model,
+                                  saved_kind=state.get("optimizer_kind", "adam"))
         self.steps = int(state["steps"])
 
     # -- memory (k3.rl.trainers.memory_regions)

@@ -121,7 +121,8 @@ class PolicyTrainer:
 
     def train_step(self, trajs: Sequence[Trajectory]) -> dict[str, float]:
         """One optimizer step over ``trajs`` (a global batch): token-mean PPO-clip loss over all its response
-        tokens, gradients accumulated over micro-batches, global-norm clipping, AdamW on the LoRA factors."""
+        tokens, gradients accumulated over micro-batches, global-norm clipping, the run's optimizer (AdamW or SGD:
+        ``build_optimizer``) on the LoRA factors."""
         if not trajs:
             raise ValueError("train_step needs at least one trajectory")
         for t in trajs:
