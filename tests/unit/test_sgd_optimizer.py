@@ -166,7 +166,7 @@ def _worker(optimizer: str, lr: float = LR, momentum: float = 0.0):
                                                                  sgd_momentum=momentum))
     policy.steps = 0
     worker = TrainerWorker.__new__(TrainerWorker)
-    worker._megatron, worker.policy = False, policy
+    worker._megatron, worker.policy, worker.memory = False, policy, None  # no --offload-train regions
     return worker
 
 
