@@ -91,17 +91,7 @@ check_gpus() {
 }
 
 # ------------------------------------------------------------------------------------------------ python and versions
-pick_python() {
-    if [[ -n "${K3_PYTHON:-}" ]]; then echo "$K3_PYTHON"; return; fi
-    local cand
-    for cand in python3 .venv/bin/python; do
-        if command -v "$cand" >/dev/null 2>&1 &&
-           "$cand" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
-            echo "$cand"; return
-        fi
-    done
-    if [[ -x .venv/bin/python ]]; then echo .venv/bin/python; else echo python3; fi
-}
+source ci/cuda_python.sh
 
 PY="$(pick_python)"
 export PYTHONPATH="$PWD${K3_SGLANG_PATH:+:$K3_SGLANG_PATH}${PYTHONPATH:+:$PYTHONPATH}"
