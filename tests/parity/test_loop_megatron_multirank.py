@@ -243,6 +243,7 @@ def _adapter(run: Path, rollout: int) -> dict[str, torch.Tensor]:
     return load_file(str(run / "adapters" / f"rollout_{rollout:06d}" / "adapter_model.safetensors"))
 
 
+@pytest.mark.slow  # the module fixture runs the 2-rank loop: ~105 s alone on 2 cores
 def test_runs_finish(result):
     print({k: round(v, 1) for k, v in result["time"].items()}, f"wall {result['wall']:.1f} s")
     assert (result["one"], result["tp2"], result["pp2"]) == (0, 0, 0), result["log"][-4000:]
@@ -251,6 +252,7 @@ def test_runs_finish(result):
         assert ev[0]["status"] == "started" and ev[-1]["status"] == "finished", name
 
 
+@pytest.mark.slow  # the module fixture runs the 2-rank loop: ~105 s alone on 2 cores
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_resolved_layout_is_two_ranks(result, layout):
     cfg = json.loads((result["root"] / layout / "resolved_config.json").read_text())
@@ -260,6 +262,7 @@ def test_resolved_layout_is_two_ranks(result, layout):
         ((5, 4) if pp == 2 else (None, None))
 
 
+@pytest.mark.slow  # the module fixture runs the 2-rank loop: ~105 s alone on 2 cores
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_every_sync_advances_the_version_with_memory_records_of_both_ranks(result, layout):
     ev = _events(result["root"] / layout)
@@ -283,6 +286,7 @@ DEFAULT_TOLS = (1e-5, 1e-4)
 EXACT = ("rollout/raw_reward", "rollout/response_len/mean", "rollout/truncated_ratio", "train/num_tokens")
 
 
+@pytest.mark.slow  # the module fixture runs the 2-rank loop: ~105 s alone on 2 cores
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_losses_and_samples_equal_the_one_rank_run(result, layout):
     """The same seed, flags and data. Rollout 0 samples on the initial adapters (B = 0: the same BF16 export
@@ -308,6 +312,7 @@ def test_losses_and_samples_equal_the_one_rank_run(result, layout):
     assert train[0]["rollout/train_rollout_logprob_abs_diff"] < 1e-5
 
 
+@pytest.mark.slow  # the module fixture runs the 2-rank loop: ~105 s alone on 2 cores
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_saved_adapters_equal_the_one_rank_run(result, layout):
     """PEFT files (BF16, rank 0 writes the adapter gathered over TP/EP/PP) after each rollout: the same names,
@@ -323,6 +328,7 @@ def test_saved_adapters_equal_the_one_rank_run(result, layout):
             assert diff < 1e-2, (layout, rollout, name, float(diff))
 
 
+@pytest.mark.slow  # the module fixture runs the 2-rank loop: ~105 s alone on 2 cores
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_checkpoint_holds_every_ranks_optimizer_state(result, layout):
     state = torch.load(result["root"] / layout / "adapters" / "rollout_000001" / "trainer_state.pt",
@@ -333,6 +339,7 @@ def test_checkpoint_holds_every_ranks_optimizer_state(result, layout):
     assert [s["steps"] for s in state["ranks"]] == [2, 2]
 
 
+@pytest.mark.slow  # the module fixture runs the 2-rank loop: ~105 s alone on 2 cores
 def test_group_returns_results_in_rank_order(result):
     g = result["group"]
     assert g["echo"] == [[0, 7], [1, 7]]
@@ -347,6 +354,7 @@ def test_group_returns_results_in_rank_order(result):
     ("die", "trainer rank 1 died during die ("),
     ("sleep", "trainer ranks 0, 1 did not finish sleep within 1 s"),
 ])
+@pytest.mark.slow  # the module fixture runs the 2-rank loop: ~105 s alone on 2 cores
 def test_a_failing_rank_ends_the_call_at_once_naming_it(result, method, message):
     """Rank 0 is blocked for 300 s in every case: the call must not wait for it."""
     text, rank, elapsed = result["group"][method]
@@ -355,6 +363,7 @@ def test_a_failing_rank_ends_the_call_at_once_naming_it(result, method, message)
     assert elapsed < 30, elapsed
 
 
+@pytest.mark.slow  # the module fixture runs the 2-rank loop: ~105 s alone on 2 cores
 def test_resume_gives_every_rank_its_optimizer_state(result):
     assert result["resumed"] == 0
     ev = _events(result["root"] / "tp2-resumed")
@@ -375,6 +384,7 @@ def test_resume_gives_every_rank_its_optimizer_state(result):
     assert [s["steps"] for s in state["ranks"]] == [3, 3]  # each rank continued from its own saved step count
 
 
+@pytest.mark.slow  # the module fixture runs the 2-rank loop: ~105 s alone on 2 cores
 def test_a_rank_that_dies_fails_the_run_at_once_naming_it(result):
     """Rank 1 exits at the start of sync 1 while rank 0 waits for it in the export's collectives: the run stops
     within seconds (gloo's own timeout is 30 min) with the loop's error naming rank 1, and exit code 1."""
@@ -389,6 +399,7 @@ def test_a_rank_that_dies_fails_the_run_at_once_naming_it(result):
     assert [e["adapter/version"] for e in ev if e["event"] == "sync"] == [1]
 
 
+@pytest.mark.slow  # the module fixture runs the 2-rank loop: ~105 s alone on 2 cores
 def test_a_two_rank_checkpoint_does_not_resume_on_one_rank(result, capsys):
     assert result["one_rank_resume"] == 1
     failed = _events(result["root"] / "tp2-one-rank")[-1]

@@ -270,6 +270,7 @@ def results(tmp_path_factory) -> dict:
     return {**torch.load(tmp / "tp1.pt"), **torch.load(tmp / "layouts.pt")}
 
 
+@pytest.mark.slow  # the module fixture runs the TP1 and CP layouts in workers: ~65 s on 2 cores
 def test_cp4_primitives_equal_the_whole_sequence(results):
     # float32: a different summation order (per-chunk cores, masked vs causal attention); a lost or doubled
     # state / halo / gradient message is off by O(1)
@@ -297,6 +298,7 @@ def test_cp2_primitives_on_two_gpus_fla_and_torch_chain(tmp_path):
         assert err < (1e-2 if name.startswith("kda_fla") else 1e-4), (name, err)
 
 
+@pytest.mark.slow  # the module fixture runs the TP1 and CP layouts in workers: ~65 s on 2 cores
 def test_cp4_packed_primitives_equal_the_whole_stream(results):
     # each packed sequence split over the 4 ranks on its own: the per-sequence state chain, halos and gathers
     errs = results["packed_primitives"]
@@ -321,6 +323,7 @@ def test_cp2_packed_primitives_on_two_gpus_fla_and_torch_chain(tmp_path):
         assert err < (1e-2 if name.startswith("kda_fla") else 1e-4), (name, err)
 
 
+@pytest.mark.slow  # the module fixture runs the TP1 and CP layouts in workers: ~65 s on 2 cores
 @pytest.mark.parametrize("layout", [n for n, (_, _, pp, _) in LAYOUTS.items() if pp == 1])
 def test_cp_logits_equal_the_reference(results, layout):
     assert results[layout]["base_logits_err"] < 2e-5
@@ -328,6 +331,7 @@ def test_cp_logits_equal_the_reference(results, layout):
     assert results[layout]["lora_logits_err"] < 1e-4
 
 
+@pytest.mark.slow  # the module fixture runs the TP1 and CP layouts in workers: ~65 s on 2 cores
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_layout_initial_adapters_equal_tp1(results, layout):
     base, got = results["tp1"]["initial"], results[layout]["initial"]
@@ -336,6 +340,7 @@ def test_layout_initial_adapters_equal_tp1(results, layout):
         assert torch.equal(got[name], base[name]), name
 
 
+@pytest.mark.slow  # the module fixture runs the TP1 and CP layouts in workers: ~65 s on 2 cores
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_layout_forward_log_probs_equal_tp1_in_sequence_order(results, layout):
     base, got = results["tp1"]["log_probs"], results[layout]["log_probs"]
@@ -345,16 +350,19 @@ def test_layout_forward_log_probs_equal_tp1_in_sequence_order(results, layout):
         torch.testing.assert_close(a, b, rtol=0, atol=2e-5)
 
 
+@pytest.mark.slow  # the module fixture runs the TP1 and CP layouts in workers: ~65 s on 2 cores
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_layout_losses_equal_tp1_over_three_adam_steps(results, layout):
     assert_losses_equal(results[layout]["loss"], results["tp1"]["loss"], STEPS)
 
 
+@pytest.mark.slow  # the module fixture runs the TP1 and CP layouts in workers: ~65 s on 2 cores
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_layout_lora_gradients_equal_tp1(results, layout):
     assert_gradients_equal(results[layout]["grads"], results["tp1"]["grads"], STEPS)
 
 
+@pytest.mark.slow  # the module fixture runs the TP1 and CP layouts in workers: ~65 s on 2 cores
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_layout_final_adapters_equal_tp1(results, layout):
     assert_adapters_equal(results[layout]["final"], results["tp1"]["final"])
