@@ -167,6 +167,28 @@ def _refusals(root: Path, out: dict) -> None:
         parallel_state.destroy_model_parallel()
 
 
+def _adapter_load_bf16(root: Path, out: dict) -> None:
+    """``load_adapter`` into BF16 parameters under the distributed optimizer, then a step too small to change a
+    BF16 value: the adapters stay the loaded ones only if the load refreshed the optimizer's fp32 main weights (a
+    stale copy, here the zeroed B, would be written back by the step)."""
+    from megatron.core import parallel_state
+
+    from k3.megatron.lora import gather_lora, load_lora
+
+    policy = _policy(root, lr=1e-12, use_distributed_optimizer=True, dtype=torch.bfloat16)
+    loaded = gather_lora(policy.model)
+    saved = policy.save_adapter(root / "adapter_bf16")  # collective; global rank 0 writes
+    torch.distributed.barrier()  # the others read it only once written
+    load_lora(policy.model, {k: torch.zeros_like(v) if k.endswith("lora_B") else v for k, v in loaded.items()})
+    optimizer = policy.trainer.optimizer
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):  # a fresh policy: B = 0 in the main weights
+        part._copy_model_params_to_main_params()
+    policy.load_adapter(saved)
+    policy.train_step(_trajs(policy))
+    out["adapter_load_bf16_kept"] = all(torch.equal(loaded[k], v) for k, v in gather_lora(policy.model).items())
+    parallel_state.destroy_model_parallel()
+
+
 def _sgd_worker(root: Path) -> None:
     import megatron_compat
 
@@ -184,6 +206,7 @@ def _sgd_worker(root: Path) -> None:
     _run(root, "distributed_bf16", out, use_distributed_optimizer=True, dtype=torch.bfloat16)
     _hyperparameters(root, out)
     _refusals(root, out)
+    _adapter_load_bf16(root, out)
     for got in out.values():
         if isinstance(got, dict):
             got.pop("state_bytes", None)
@@ -303,6 +326,11 @@ def test_an_optimizer_state_of_the_other_optimizer_is_refused(ranks, which):
             "saved it (debug_minimal: sgd, normal: adam), or start a new run")
         assert r[f"sgd_into_adam_{which}"].startswith(
             "ValueError: the optimizer state was saved by sgd; this run trains with adam")
+
+
+@pytest.mark.slow
+def test_a_loaded_adapter_survives_the_next_step_in_bf16_under_the_distributed_optimizer(ranks):
+    assert all(r["adapter_load_bf16_kept"] for r in ranks)
 
 
 @pytest.mark.gpu
