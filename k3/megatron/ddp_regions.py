@@ -49,8 +49,11 @@ def rehome_param_data(ddp: DistributedDataParallel, region: Region) -> int:
         if old is None:
             continue
         if getattr(buffer, "shared_buffer", None) is not None:
-            raise NotImplementedError("rehome_param_data: MXFP8 parameters share one buffer with the gradients; "
-                                      "they cannot go to separate memory regions")
+            # MXFP8 parameters (megatron's shared param/grad buffer) are not a K3 configuration: refuse them
+            # rather than split one allocation over two regions.
+            raise ValueError("--offload-train: this DDP keeps parameters and gradients in one shared buffer (MXFP8 "
+                             "parameters); the trainer's memory regions need them apart. Train without MXFP8 "
+                             "parameters, or with --no-offload-train")
         with region():
             new = torch.empty_like(old)
         new.copy_(old)

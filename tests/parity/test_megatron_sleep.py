@@ -216,3 +216,15 @@ def test_on_cuda_under_torch_memory_saver(tmp_path):
     assert got["frozen_back"] and got["grads_zero_after_wake"]
     assert got["export_asleep"] == got["export_awake"]
     assert got["plain"] == [got["step1"], got["step2"]] and got["same_adapters"]
+
+
+def test_a_shared_param_and_grad_buffer_is_refused_naming_the_way_out():
+    from types import SimpleNamespace
+
+    from k3.megatron.ddp_regions import rehome_param_data
+
+    buffer = SimpleNamespace(param_data=torch.zeros(8), shared_buffer=torch.zeros(16), buckets=[], params=[])
+    ddp = SimpleNamespace(buffers=[buffer], expert_parallel_buffers=[])
+    with pytest.raises(ValueError, match=r"one shared buffer \(MXFP8 parameters\).*--no-offload-train"):
+        rehome_param_data(ddp, contextlib.nullcontext)
+    assert buffer.param_data.numel() == 8  # nothing moved
