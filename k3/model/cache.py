@@ -54,6 +54,16 @@ class MLALayerState:
         return (self.latent,)
 
 
+def _kda_zeros(cfg: K3Config, batch_size: int, device: torch.device | str) -> dict[str, torch.Tensor]:
+    """A KDA layer's carry before any token: ``recurrent [b, H, K, V]`` and ``conv_{q,k,v} [b, proj, kernel − 1]``,
+    all zeros, float32 (the recurrence and the conv history accumulate in float32 whatever the model dtype)."""
+    la = cfg.linear_attn_config
+    conv = (batch_size, cfg.kda_proj_size, la.short_conv_kernel_size - 1)
+    return {"recurrent": torch.zeros(batch_size, la.num_heads, la.head_dim, la.head_dim, dtype=torch.float32,
+                                     device=device),
+            **{name: torch.zeros(conv, dtype=torch.float32, device=device) for name in ("conv_q", "conv_k", "conv_v")}}
+
+
 class K3Cache:
     """Decoding state of one batch. Create with ``KimiK3ForCausalLM.init_cache(batch_size)``."""
 
@@ -64,18 +74,11 @@ class K3Cache:
         self.seen_tokens = 0
         # [batch, seen] bool, 1 = real token; None while every token seen so far is real.
         self.attention_mask: torch.Tensor | None = None
-        la = cfg.linear_attn_config
-        proj, history = cfg.kda_proj_size, la.short_conv_kernel_size - 1
         latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim
         self.layers: list[KDALayerState | MLALayerState] = []
         for i in range(cfg.num_hidden_layers):
             if cfg.is_kda_layer(i):
-                conv = lambda: torch.zeros(batch_size, proj, history, dtype=torch.float32, device=device)  # noqa: E731
-                self.layers.append(KDALayerState(
-                    recurrent=torch.zeros(batch_size, la.num_heads, la.head_dim, la.head_dim,
-                                          dtype=torch.float32, device=device),
-                    conv_q=conv(), conv_k=conv(), conv_v=conv(),
-                ))
+                self.layers.append(KDALayerState(**_kda_zeros(cfg, batch_size, device)))
             else:
                 self.layers.append(MLALayerState(torch.zeros(batch_size, 0, latent, dtype=dtype, device=device)))
 
@@ -160,17 +163,10 @@ class StaticK3Cache:
         self._all_real = True
         self.key_mask = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)
         self.position = torch.zeros(1, dtype=torch.int64, device=device)
-        la = cfg.linear_attn_config
-        proj, history = cfg.kda_proj_size, la.short_conv_kernel_size - 1
         self.layers: list[StaticKDALayerState | StaticMLALayerState] = []
         for i in range(cfg.num_hidden_layers):
             if cfg.is_kda_layer(i):
-                conv = lambda: torch.zeros(batch_size, proj, history, dtype=torch.float32, device=device)  # noqa: E731
-                self.layers.append(StaticKDALayerState(
-                    recurrent=torch.zeros(batch_size, la.num_heads, la.head_dim, la.head_dim,
-                                          dtype=torch.float32, device=device),
-                    conv_q=conv(), conv_k=conv(), conv_v=conv(),
-                ))
+                self.layers.append(StaticKDALayerState(**_kda_zeros(cfg, batch_size, device)))
             else:
                 self.layers.append(StaticMLALayerState(
                     ckv=torch.zeros(batch_size, max_len, cfg.kv_lora_rank, dtype=dtype, device=device),
