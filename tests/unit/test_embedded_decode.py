@@ -57,9 +57,9 @@ RECORDED = {
 }
 
 
-def _model(rank=4):
+def _model(rank=4, cfg=None):
     torch.manual_seed(0)
-    model = apply_lora(KimiK3ForCausalLM(variant("tiny")), LoRAConfig(rank=rank, alpha=2 * rank))
+    model = apply_lora(KimiK3ForCausalLM(cfg or variant("tiny")), LoRAConfig(rank=rank, alpha=2 * rank))
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -346,12 +346,36 @@ def test_auto_on_cuda_takes_graphs_and_says_what_it_left_out():
         resolve_decode(DecodeSettings(mode="window"), torch.device("cpu"), model)
 
 
+def _k3_latent():
+    """The tiny variant with K3's MLA latent (kv_lora_rank 512, rope 64): the one shape flashinfer's MLA kernel has."""
+    return variant("tiny").replace(kv_lora_rank=512, qk_rope_head_dim=64)
+
+
+def test_flashinfer_mla_is_taken_only_for_the_latent_shape_it_is_built_for(monkeypatch):
+    """The tiny variant's latent (16 + 8) would JIT-build for minutes and fail (seen on the H200): auto leaves it to
+    torch and says why, an explicit choice is refused; K3's 512 + 64 takes flashinfer. Resolution reads only the
+    device's type and flashinfer's availability, faked here."""
+    import k3.rollout.embedded.decode_plan as decode_plan
+
+    monkeypatch.setattr(decode_plan, "flashinfer_missing", lambda device: None)
+    cuda = torch.device("cuda")
+    tiny = _model().to(torch.bfloat16)
+    plan = resolve_decode(DecodeSettings(), cuda, tiny)
+    assert (plan.mode, plan.mla_kernel, plan.sampler) == ("graph", "torch", "flashinfer")
+    assert any("(kv_lora_rank, qk_rope_head_dim) (512, 64) only, the model has (16, 8)" in n for n in plan.notes)
+    with pytest.raises(ValueError, match=r"mla_kernel flashinfer: .*the model has \(16, 8\)"):
+        resolve_decode(DecodeSettings(mode="window", mla_kernel="flashinfer"), cuda, tiny)
+    k3_shaped = _model(cfg=_k3_latent()).to(torch.bfloat16)
+    plan = resolve_decode(DecodeSettings(), cuda, k3_shaped)
+    assert (plan.mode, plan.mla_kernel, plan.sampler, plan.notes) == ("graph", "flashinfer", "flashinfer", ())
+
+
 # ------------------------------------------------------------------------------------------------ GPU
-def _gpu_model():
+def _gpu_model(cfg=None):
     """The tiny model in BF16 on CUDA with a sharpened head: greedy margins far above BF16 noise, so kernels that
     round differently still pick the same tokens. LoRA rank 8: the experts' rank-r grouped GEMMs then meet torch's
     native kernel's 16-byte rule (rank 4 takes the padded path, which reads the counts on the host: no capture)."""
-    model = _model(rank=8).to("cuda", torch.bfloat16)
+    model = _model(rank=8, cfg=cfg).to("cuda", torch.bfloat16)
     with torch.no_grad():
         model.lm_head.weight.mul_(30.0)
     return model
@@ -381,7 +405,7 @@ def test_cuda_graph_decode_gives_eager_greedy_tokens():
 @pytest.mark.skipif(not fi.flashinfer_available("cuda"), reason="flashinfer is not installed")
 @pytest.mark.parametrize("mode", ["window", "graph"])
 def test_flashinfer_decode_gives_eager_greedy_tokens(mode):
-    model = _gpu_model()
+    model = _gpu_model(_k3_latent())
     eager = _greedy(EmbeddedEngine(model, ByteTokenizer(), device="cuda", decode=DecodeSettings(mode="eager")))
     engine = EmbeddedEngine(model, ByteTokenizer(), device="cuda",
                             decode=DecodeSettings(mode=mode, mla_kernel="flashinfer", sampler="flashinfer"))

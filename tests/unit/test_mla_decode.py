@@ -98,6 +98,13 @@ def test_without_flashinfer_every_entry_point_says_what_is_missing():
         fi.PagedMLADecode("cuda", 4, 16, 8, page_size=1)
 
 
+def test_flashinfer_mla_takes_the_k3_latent_shape_only():
+    assert fi.mla_shape_problem(512, 64) is None
+    why = fi.mla_shape_problem(16, 8)
+    assert why == ("flashinfer's MLA kernel is built for (kv_lora_rank, qk_rope_head_dim) (512, 64) only, the model "
+                   "has (16, 8)")
+
+
 # ------------------------------------------------------------------------------------------------ flashinfer, GPU
 @pytest.mark.gpu
 @pytest.mark.skipif(not fi.flashinfer_available("cuda"), reason="flashinfer is not installed")

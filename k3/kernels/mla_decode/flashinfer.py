@@ -27,11 +27,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["FLASHINFER_PIN", "WORKSPACE_BYTES", "PagedMLADecode", "flashinfer_available", "flashinfer_missing",
-           "top_p_sample"]
+__all__ = ["FLASHINFER_PIN", "WORKSPACE_BYTES", "MLA_HEAD_DIMS", "PagedMLADecode", "flashinfer_available",
+           "flashinfer_missing", "mla_shape_problem", "top_p_sample"]
 
 FLASHINFER_PIN = "flashinfer-python==0.6.15.post1"
 WORKSPACE_BYTES = 128 * 2**20  # flashinfer's recommended float workspace (split-k partial results)
+# (head_dim_ckv, head_dim_kpe) that flashinfer's MLA kernels are instantiated for: the DeepSeek / K3 shape. Any other
+# JIT-compiles for minutes and then fails inside the Hopper kernel's wgmma templates (seen on the H200 for the tiny
+# variant's (16, 8)), so it is refused before any build.
+MLA_HEAD_DIMS = ((512, 64),)
 
 
 @functools.cache
@@ -57,6 +61,15 @@ def flashinfer_available(device: torch.device | str | None = None) -> bool:
     return flashinfer_missing(device) is None
 
 
+def mla_shape_problem(head_dim_ckv: int, head_dim_kpe: int) -> str | None:
+    """Why flashinfer's MLA kernel cannot take this latent shape (None when it can)."""
+    if (head_dim_ckv, head_dim_kpe) in MLA_HEAD_DIMS:
+        return None
+    known = ", ".join(f"({c}, {k})" for c, k in MLA_HEAD_DIMS)
+    return (f"flashinfer's MLA kernel is built for (kv_lora_rank, qk_rope_head_dim) {known} only, the model has "
+            f"({head_dim_ckv}, {head_dim_kpe})")
+
+
 def _require() -> Any:
     module, why = _import()
     if module is None:
@@ -80,6 +93,9 @@ class PagedMLADecode:
                  page_size: int, *, max_batch: int = 0, max_pages: int = 0, use_cuda_graph: bool = False,
                  workspace: torch.Tensor | None = None) -> None:
         fi = _require()
+        shape_problem = mla_shape_problem(head_dim_ckv, head_dim_kpe)
+        if shape_problem is not None:
+            raise ValueError(f"PagedMLADecode: {shape_problem}")
         self.device = torch.device(device)
         if self.device.type != "cuda":
             raise ValueError(f"PagedMLADecode: device {self.device}: flashinfer runs on CUDA only")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from k3.kernels.mla_decode.flashinfer import flashinfer_missing
+from k3.kernels.mla_decode.flashinfer import flashinfer_missing, mla_shape_problem
 from k3.model import KimiK3ForCausalLM
 from k3.model.mla import MLAttention
 from k3.settings.decode import DecodeSettings
@@ -60,6 +60,14 @@ def _latent_dtype(model: KimiK3ForCausalLM) -> torch.dtype:
     return model.model.embed_tokens.weight.dtype
 
 
+def _flashinfer_mla_problem(model: KimiK3ForCausalLM, dtype: torch.dtype) -> str | None:
+    """Why flashinfer's MLA kernel cannot serve this model (its dtype or its latent shape), None when it can."""
+    if dtype not in _FLASHINFER_DTYPES:
+        return f"the model is {dtype}, flashinfer's MLA kernel takes BF16/FP16"
+    cfg = model.config
+    return mla_shape_problem(cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+
+
 def resolve_decode(settings: DecodeSettings, device: torch.device, model: KimiK3ForCausalLM) -> DecodePlan:
     """Resolve ``settings`` for ``model`` on ``device``; ValueError for an explicit choice that cannot run here."""
     notes: list[str] = []
@@ -84,18 +92,17 @@ def resolve_decode(settings: DecodeSettings, device: torch.device, model: KimiK3
     if mla_kernel == "flashinfer":
         if mode not in WINDOW_MODES:
             raise ValueError(f"mla_kernel flashinfer runs in the window modes (window, graph), not in mode {mode}")
-        if fi_missing is not None:
-            raise ValueError(f"mla_kernel flashinfer: {fi_missing}")
-        if dtype not in _FLASHINFER_DTYPES:
-            raise ValueError(f"mla_kernel flashinfer: the model is {dtype}; flashinfer's MLA kernel takes BF16/FP16")
+        problem = fi_missing or _flashinfer_mla_problem(model, dtype)
+        if problem is not None:
+            raise ValueError(f"mla_kernel flashinfer: {problem}")
     elif mla_kernel == "auto":
         mla_kernel = "torch"
         if mode in WINDOW_MODES:
-            if fi_missing is None and dtype in _FLASHINFER_DTYPES:
+            problem = fi_missing or _flashinfer_mla_problem(model, dtype)
+            if problem is None:
                 mla_kernel = "flashinfer"
             else:
-                why = fi_missing or f"the model is {dtype}, flashinfer takes BF16/FP16"
-                notes.append(f"MLA attention torch: {why}")
+                notes.append(f"MLA attention torch: {problem}")
 
     sampler = settings.sampler
     if sampler == "flashinfer" and fi_missing is not None:
