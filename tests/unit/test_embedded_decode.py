@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import collections
+import copy
 import sys
 
 import pytest
@@ -372,13 +373,33 @@ def test_flashinfer_mla_is_taken_only_for_the_latent_shape_it_is_built_for(monke
 
 # ------------------------------------------------------------------------------------------------ GPU
 def _gpu_model(cfg=None):
-    """The tiny model in BF16 on CUDA with a sharpened head: greedy margins far above BF16 noise, so kernels that
-    round differently still pick the same tokens. LoRA rank 8: the experts' rank-r grouped GEMMs then meet torch's
-    native kernel's 16-byte rule (rank 4 takes the padded path, which reads the counts on the host: no capture)."""
-    model = _model(rank=8, cfg=cfg).to("cuda", torch.bfloat16)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(30.0)
-    return model
+    """The tiny model in BF16 on CUDA. LoRA rank 8: the experts' rank-r grouped GEMMs then meet torch's native
+    kernel's 16-byte rule (rank 4 takes the padded path, which reads the counts on the host: no capture)."""
+    return _model(rank=8, cfg=cfg).to("cuda", torch.bfloat16)
+
+
+# How far (nats) a greedy token may trail the float32 argmax at its position, and its reported log-prob the float32
+# one. Measured on this model in BF16 on the CPU (eager and window alike): worst 0.048 and 0.077. A wrong token (a
+# bad cache slot, a stale graph input) trails the best by 0.48 nats at the median position (0.38 at the least):
+# the tiny model's distribution is flat. Sharpening the head does not help: BF16's error grows with the logits.
+GREEDY_TOL_NATS = 0.2
+
+
+@torch.no_grad()
+def _assert_greedy_under_float32(model, samples):
+    """Teacher-forced against a float32 copy of ``model``, one forward per sample: every generated token is within
+    ``GREEDY_TOL_NATS`` of the best token at its position, and its reported log-prob within the same of the float32
+    one. Paths are not compared token for token: in BF16 one flipped near-tie changes the rest of the sequence."""
+    ref = copy.deepcopy(model).float()
+    worst_gap = worst_logprob = 0.0
+    for s in samples:
+        n = len(s.prompt_ids)
+        logp = torch.log_softmax(ref(torch.tensor([s.prompt_ids + s.tokens], device="cuda"))[0].float(), -1)
+        rows = logp[n - 1:n - 1 + len(s.tokens)]
+        chosen = rows.gather(1, torch.tensor(s.tokens, device="cuda")[:, None])[:, 0]
+        worst_gap = max(worst_gap, (rows.max(-1).values - chosen).max().item())
+        worst_logprob = max(worst_logprob, (chosen.cpu() - torch.tensor(s.logprobs)).abs().max().item())
+    assert worst_gap <= GREEDY_TOL_NATS and worst_logprob <= GREEDY_TOL_NATS, (worst_gap, worst_logprob)
 
 
 def _greedy(engine):
@@ -394,9 +415,8 @@ def test_cuda_graph_decode_gives_eager_greedy_tokens():
                             decode=DecodeSettings(mode="graph", mla_kernel="torch", sampler="torch"))
     graph = _greedy(engine)
     assert engine._graph_off is None  # captured, not fallen back
-    assert [s.tokens for s in graph] == [s.tokens for s in eager]
-    for g, e in zip(graph, eager):
-        assert max(abs(a - b) for a, b in zip(g.logprobs, e.logprobs)) < 5e-2
+    _assert_greedy_under_float32(model, eager)
+    _assert_greedy_under_float32(model, graph)
     engine.release_memory(["cuda_graph"])
     assert not engine._memory._graphs
 
@@ -411,7 +431,8 @@ def test_flashinfer_decode_gives_eager_greedy_tokens(mode):
                             decode=DecodeSettings(mode=mode, mla_kernel="flashinfer", sampler="flashinfer"))
     got = _greedy(engine)
     assert engine._flashinfer_off is None and engine._graph_off is None
-    assert [s.tokens for s in got] == [s.tokens for s in eager]
+    _assert_greedy_under_float32(model, eager)
+    _assert_greedy_under_float32(model, got)
 
 
 @pytest.mark.gpu
