@@ -47,6 +47,8 @@ def memory_reading(phase: str, device: torch.device | str, resident_bytes: int |
     """One ``memory`` event record (without ``rollout_id``/``sync``: the loop adds them) for ``phase``.
 
     CUDA: ``memory/allocated_gb`` = ``torch.cuda.memory_allocated`` (after a device sync), ``memory/reserved_gb``,
+    ``memory/peak_allocated_gb`` = the most this process had allocated at any moment since its previous reading
+    (the peak counter is reset here: the reading after a training step holds that step's peak),
     ``memory/physical_gb`` = total − free. CPU: ``memory/allocated_gb`` = ``resident_bytes`` (left out when None:
     an engine reading has no allocated), ``memory/physical_gb`` = the process RSS. ``memory/rss_gb`` always.
     ``extra`` (e.g. ``rank=0``) is added as is."""
@@ -57,6 +59,8 @@ def memory_reading(phase: str, device: torch.device | str, resident_bytes: int |
         torch.cuda.synchronize(device)
         record["memory/allocated_gb"] = torch.cuda.memory_allocated(device) / GIB
         record["memory/reserved_gb"] = torch.cuda.memory_reserved(device) / GIB
+        record["memory/peak_allocated_gb"] = torch.cuda.max_memory_allocated(device) / GIB
+        torch.cuda.reset_peak_memory_stats(device)
     elif resident_bytes is not None:
         if resident_bytes < 0:
             raise ValueError(f"memory_reading: resident_bytes={resident_bytes} is negative")

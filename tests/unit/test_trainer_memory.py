@@ -387,3 +387,18 @@ def test_the_gpu_extra_pins_the_saver_the_error_names():
     pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
     extras = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]
     assert mr.SAVER_PIN in extras["gpu"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_reading_holds_the_peak_since_the_previous_reading():
+    from k3.transport.device_memory import memory_reading
+
+    memory_reading("start", "cuda")
+    base = torch.cuda.memory_allocated() / 2**30
+    scratch = torch.empty(2**28, dtype=torch.uint8, device="cuda")  # 0.25 GiB, freed before the reading
+    del scratch
+    first = memory_reading("after_scratch", "cuda")
+    second = memory_reading("again", "cuda")
+    assert first["memory/peak_allocated_gb"] >= base + 0.25
+    assert second["memory/peak_allocated_gb"] < base + 0.01
