@@ -34,14 +34,23 @@
 #     28 GiB. A per-process cap cannot forbid two processes that sum: the device holds only the budget because a
 #     ballast process (ci/gpu_ballast.py) takes the rest, less SMOKE_GPU_CONTEXT_GIB (1.5) for the two actors' CUDA
 #     contexts.
-#   - the time (one 10-minute device call; nothing of this has been measured yet): wheels ~20 s; the checkpoint
-#     ~15 s (--device cuda, 8 workers, ≥ 1 GB/s), the torch_dist copy ~40 s, the data 2 s; Ray, the two loads (8.8 s
-#     for 16.7 GB measured) and the first Triton compile (25.7 s measured for one forward at this width) ~1.5 min;
-#     then 20 cycles of generate (512 decode steps at batch 64), train (1 step over ~37k tokens), the moves and the
-#     sync. At the eager decode measured at 32 experts (62.7 ms/step) generation alone is 32 s a cycle, 10.7 min for
-#     20: the run needs the static / CUDA-graph decode of issue #21 item 3 (≥ 40% of the bandwidth limit: ~5 ms/step,
-#     2.6 s a cycle). The training run gets what is left of SMOKE_GPU_DEADLINE_S (570 s from the script's start,
+#   - the time (one 10-minute device call), as measured on the H200 on 2026-12-05 (the first run, 8 experts): the
+#     wheels 2 s; the checkpoint 14.8 s (--device cuda, 8 workers: 0.81 GB/s), the torch_dist copy 39.9 s, the
+#     data 3 s; `k3 train` from its start to the startup sync 48 s (Ray, the two loads, the trainer's first sleep);
+#     rollout 0 (64 × 512 tokens, the first KDA compile and autotune included) 27.3 s. Then 20 cycles of generate,
+#     train (1 step over ~37k tokens), the moves and the sync: not measured yet (the first step ran out of memory,
+#     below). The CUDA-graph decode measured at 32 experts is 8.5 ms/step at batch 64 (docs/PERFORMANCE.md): 4.4 s
+#     of decode a cycle. The training run gets what is left of SMOKE_GPU_DEADLINE_S (570 s from the script's start,
 #     less 30 s for the verdict); the tier's criteria say how long it may take.
+#   - the first run (2026-12-05, H200, commit 0d8ca3d): the dance ran as planned up to the first training step —
+#     the trainer's sleep freed 12.6 GB of the device (physical 137.5 -> 124.9 GB, allocated stays 11.2), the
+#     engine's weight release 11.2 GB, the trainer's wake took 12.6 back — and that step failed after 76 s with
+#     "DistBackendError: Failed to CUDA calloc async 4 bytes": an allocation of NCCL's own, most likely its
+#     communicator made lazily at the step's first collective, when the trainer's allocator held all of the ~14.8 GB
+#     left free (whether the step itself fits is not known yet). Communicators are now made at start
+#     (k3/megatron/parallel.py), and the memory readings carry each phase's peak (memory/peak_allocated_gb), so the
+#     next run says what the training step needs; if it needs more than the budget leaves, raise
+#     SMOKE_GPU_MEMORY_FRACTION (0.25 leaves ~21.8 GB for it).
 #
 # Variables: K3_PYTHON; SMOKE_GPU_EXPERTS (8); SMOKE_GPU_MEMORY_FRACTION (0.2); SMOKE_GPU_CONTEXT_GIB (1.5);
 # SMOKE_GPU_BALLAST (1; 0: no budget, each actor capped only); K3_NUM_ROLLOUT (20); SMOKE_GPU_RESPONSE_LEN (512);
