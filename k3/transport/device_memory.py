@@ -19,7 +19,8 @@ from typing import Any
 import psutil
 import torch
 
-__all__ = ["GIB", "memory_reading", "physical_bytes", "resolved_memory_device"]
+__all__ = ["GIB", "DeviceMemoryError", "is_out_of_memory", "memory_note", "memory_reading", "physical_bytes",
+           "resolved_memory_device"]
 
 GIB = 1024**3
 
@@ -69,3 +70,41 @@ def memory_reading(phase: str, device: torch.device | str, resident_bytes: int |
     record["memory/rss_gb"] = rss / GIB
     record.update(extra)
     return record
+
+
+class DeviceMemoryError(RuntimeError):
+    """A worker ran out of device memory; the message adds what the device and the process held at that moment."""
+
+
+# How an allocation failure reads when it does not come as torch.OutOfMemoryError: NCCL's own allocations surface
+# as DistBackendError ("Failed to CUDA calloc async 4 bytes", seen on the H200), the driver's as its error names.
+_OOM_TEXT = ("out of memory", "failed to cuda calloc", "failed to cuda malloc", "cuda_error_out_of_memory",
+             "cudaerrormemoryallocation")
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error``, or an error it was raised from, is a failed device allocation."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, torch.OutOfMemoryError) or any(t in str(e).lower() for t in _OOM_TEXT):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def memory_note(device: torch.device | str) -> str:
+    """One line on what ``device`` and this process hold now, for an out-of-memory message (GiB). Reading a device
+    that has just failed an allocation can fail too: the line then says so instead."""
+    try:
+        device = resolved_memory_device(device)
+        if device.type != "cuda":
+            return f"this process's RSS {psutil.Process().memory_info().rss / GIB:.2f} GiB"
+        free, total = torch.cuda.mem_get_info(device)
+        return (f"{device} had {free / GIB:.2f} of {total / GIB:.2f} GiB free; this process allocated "
+                f"{torch.cuda.memory_allocated(device) / GIB:.2f} GiB (peak "
+                f"{torch.cuda.max_memory_allocated(device) / GIB:.2f} since its last memory reading), reserved "
+                f"{torch.cuda.memory_reserved(device) / GIB:.2f} GiB")
+    except Exception as e:  # noqa: BLE001 - a note on a failure must not replace the failure
+        return f"the memory of {device} could not be read ({type(e).__name__}: {e})"

@@ -33,6 +33,7 @@ from k3.rl.errors import TrainingError, last_line
 from k3.rl.grpo import GRPOConfig
 from k3.rl.trainer_worker import TrainerWorker
 from k3.settings.worker import WorkerSpec
+from k3.transport.device_memory import DeviceMemoryError, is_out_of_memory, memory_note
 
 __all__ = ["RANKS_KEY", "TrainerGroup", "TrainerRank", "TrainerRankError", "is_trainer_group", "local_ranks",
            "merge_rank_states", "split_rank_states"]
@@ -87,7 +88,13 @@ class TrainerRank:
         """``TrainerWorker.method(*args)`` on this rank."""
         if self.worker is None:
             raise RuntimeError(f"trainer rank {self.rank}: {method}() before setup()")
-        return getattr(self.worker, method)(*args)
+        try:
+            return getattr(self.worker, method)(*args)
+        except Exception as e:
+            if is_out_of_memory(e):  # say how full the device was: the error itself rarely does
+                raise DeviceMemoryError(f"out of device memory ({type(e).__name__}: {last_line(e)}); "
+                                        f"{memory_note(self.worker.spec.device)}") from e
+            raise
 
     def has(self, method: str) -> bool:
         return self.worker is not None and callable(getattr(self.worker, method, None))
