@@ -928,7 +928,6 @@ def _replicas_agree(c: Criterion, run: RunData) -> Result:
                 compared += 1
             if len(sides) > 1:
                 groups = sorted(sides.values(), key=lambda g: (-len(g), g))
-                first = min(by_rank[r].seq for g in groups for r in g)
                 where = next(p.where for p in by_rank.values() if p.seq == max(
                     by_rank[r].seq for g in groups for r in g))
                 evidence |= {"first_failing_step": step, "tensor": label, "rank_groups": groups,
@@ -936,7 +935,6 @@ def _replicas_agree(c: Criterion, run: RunData) -> Result:
                 split = " vs ".join("ranks " + ",".join(map(str, g)) if len(g) > 1 else f"rank {g[0]}" for g in groups)
                 label_step = f"step {step}" + (f" (attempt {attempt + 1})" if run.attempts and len(run.attempts) > 1
                                                else "")
-                del first
                 return Result(c, Status.FAIL, f"{label_step}: replicas of {label} differ: {split}", True, evidence,
                               where)
     evidence |= {"tensors": len(labels), "replica_comparisons": compared}

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
+import sys
+from pathlib import Path
 
 import pytest
+
+FAKE_SGLANG = Path(__file__).resolve().parent / "fake_sglang"
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -38,3 +44,19 @@ def checkpoint_pair(tmp_path_factory):
     from checkpoint_pair import make_checkpoint_pair
 
     return make_checkpoint_pair(tmp_path_factory.mktemp("checkpoint_pair"))
+
+
+@pytest.fixture
+def fake_sglang(monkeypatch):
+    """The fake ``sglang`` (tests/fake_sglang) importable, first on sys.path so spawned ranks see it too, its
+    timeline empty; removed from sys.modules after. Skips where a real sglang is installed."""
+    spec = importlib.util.find_spec("sglang")
+    if spec is not None and FAKE_SGLANG not in Path(spec.origin or "").parents:
+        pytest.skip("a real sglang is installed here; these tests drive the fake one")
+    monkeypatch.syspath_prepend(str(FAKE_SGLANG))
+    sglang = importlib.import_module("sglang")
+    sglang.TIMELINE.clear()
+    sglang.ENGINES.clear()
+    yield sglang
+    for name in [m for m in sys.modules if m == "sglang" or m.startswith("sglang.")]:
+        del sys.modules[name]

@@ -50,6 +50,7 @@ from k3.checkpoint.hf_io import (
     check_output_dir,
     commit_output_dir,
     fsync_dir,
+    read_config_json,
     read_safetensors_header,
     read_weight_map,
     safetensors_header,
@@ -174,17 +175,7 @@ def plan_conversion(model_dir: str | Path) -> ConversionPlan:
     Raises CheckpointError naming the file and tensor for every problem this can see without reading tensor data.
     """
     root = Path(model_dir)
-    if not root.is_dir():
-        raise CheckpointError(f"{root}: not a directory")
-    cfg_path = root / "config.json"
-    if not cfg_path.is_file():
-        raise CheckpointError(f"{cfg_path}: missing")
-    try:
-        config = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from e
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{cfg_path}: expected a JSON object")
+    cfg_path, config = read_config_json(root)
     _quantization_config(config, cfg_path)
 
     weight_map = read_weight_map(root)  # path escapes and missing shards raise here

@@ -8,11 +8,11 @@ release or a BF16 conversion and whether it is whole.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from k3.checkpoint.hf_io import TEXT_PREFIX, CheckpointError, read_safetensors_header, read_weight_map
+from k3.checkpoint.hf_io import (TEXT_PREFIX, CheckpointError, read_config_json, read_safetensors_header,
+                                 read_weight_map)
 from k3.checkpoint.layout import checkpoint_layout
 from k3.config import ConfigError, K3Config
 
@@ -49,15 +49,7 @@ def read_hf_inventory(model_dir: str | Path) -> HFInventory:
     directory, no or unreadable ``config.json``, a config K3 cannot run (the field and what it expects), no index
     and no ``model.safetensors``, an index naming missing shards, a corrupt shard header."""
     root = Path(model_dir)
-    if not root.is_dir():
-        raise CheckpointError(f"{root} is not a directory")
-    path = root / "config.json"
-    if not path.is_file():
-        raise CheckpointError(f"{root} has no config.json")
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path} is not JSON ({e})") from None
+    path, raw = read_config_json(root)
     try:
         config = K3Config.from_dict(raw)
     except (ConfigError, TypeError) as e:

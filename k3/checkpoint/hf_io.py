@@ -29,6 +29,7 @@ __all__ = [
     "CheckpointError",
     "INDEX_NAME",
     "TEXT_PREFIX",
+    "read_config_json",
     "read_weight_map",
     "shard_files",
     "iter_shard_tensors",
@@ -66,6 +67,24 @@ def _safe_child(root: Path, rel: str, what: str) -> Path:
     if root.resolve() not in p.parents:
         raise CheckpointError(f"{what}: shard path {rel!r} escapes the model directory {root}")
     return p
+
+
+def read_config_json(model_dir: str | Path) -> tuple[Path, dict]:
+    """``(path, contents)`` of ``model_dir``'s ``config.json``. Raises ``CheckpointError`` naming what is wrong: not
+    a directory, no ``config.json``, not readable JSON, not a JSON object."""
+    root = Path(model_dir)
+    if not root.is_dir():
+        raise CheckpointError(f"{root} is not a directory")
+    path = root / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{root} has no config.json")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path} is not JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path} is not a JSON object")
+    return path, raw
 
 
 def read_weight_map(model_dir: str | Path) -> dict[str, str]:

@@ -7,18 +7,18 @@ expert data-parallel gloo group without it, i.e. torch's default of 30 minutes, 
 rank waiting longer than that on a peer that never joins a collective fails with the backend's timeout error
 (gloo: "Timed out waiting <ms>ms"; NCCL: the watchdog's "Timeout(ms)=<ms>").
 
-With NCCL every communicator is made at start (the world group bound to this rank's GPU, then one all-reduce of
-one element over each of megatron's groups), not at a group's first collective. Made lazily, the first one falls
-inside the first training step, where a colocated run's device is fullest: on the H200 under the `make smoke-gpu`
-budget the trainer's allocator held all the free memory at that moment, and NCCL's own 4-byte ``cudaMalloc``
-failed ("DistBackendError: Failed to CUDA calloc async 4 bytes").
+With NCCL every communicator is made at start, not at a group's first collective: the world group is bound to this
+rank's GPU (``device_id``), and torch connects it and every group made after it as each is created (``new_group``
+inherits the bound device; megatron's groups included). Made lazily, the first one falls inside the first training
+step, where a colocated run's device is fullest: on the H200 under the `make smoke-gpu` budget the trainer's
+allocator held all the free memory at that moment, and NCCL's own 4-byte ``cudaMalloc`` failed ("DistBackendError:
+Failed to CUDA calloc async 4 bytes").
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterable
 from datetime import timedelta
 
 import torch
@@ -28,8 +28,7 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
 from k3.settings.parallel import ParallelLayout
 
-__all__ = ["DEFAULT_TIMEOUT_MINUTES", "collective_timeout", "init_parallel", "destroy_parallel", "megatron_groups",
-           "warm_up_groups"]
+__all__ = ["DEFAULT_TIMEOUT_MINUTES", "collective_timeout", "init_parallel", "destroy_parallel"]
 
 DEFAULT_TIMEOUT_MINUTES = 10  # the recipe launcher's --distributed-timeout-minutes default
 
@@ -63,7 +62,7 @@ def init_parallel(layout: ParallelLayout, seed: int | None = 1234, backend: str 
         if backend == "nccl":
             local = int(os.environ.get("LOCAL_RANK", "0"))
             torch.cuda.set_device(local)
-            bind["device_id"] = torch.device("cuda", local)  # eager communicators, the world's and new groups'
+            bind["device_id"] = torch.device("cuda", local)  # eager communicators (module docstring)
         dist.init_process_group(backend=backend, timeout=timeout, **bind)
     else:
         dist.group.WORLD.set_timeout(timeout)
@@ -82,55 +81,8 @@ def init_parallel(layout: ParallelLayout, seed: int | None = 1234, backend: str 
         distributed_timeout_minutes=distributed_timeout_minutes,  # megatron's own default is 30
     )
     parallel_state.get_expert_data_parallel_group_gloo().set_timeout(timeout)  # made without it (module docstring)
-    if dist.get_backend() == "nccl":
-        warm_up_groups(megatron_groups(), torch.device("cuda", torch.cuda.current_device()))
     if seed is not None:
         model_parallel_cuda_manual_seed(seed)
-
-
-# megatron's groups a training step can use (NCCL ones; their gloo twins need no device memory)
-_GROUP_GETTERS: tuple[Callable[[], object], ...] = (
-    lambda: parallel_state.get_tensor_model_parallel_group(check_initialized=False),
-    lambda: parallel_state.get_pipeline_model_parallel_group(check_initialized=False),
-    lambda: parallel_state.get_context_parallel_group(check_initialized=False),
-    lambda: parallel_state.get_model_parallel_group(check_initialized=False),
-    lambda: parallel_state.get_data_parallel_group(with_context_parallel=False),
-    lambda: parallel_state.get_data_parallel_group(with_context_parallel=True),
-    lambda: parallel_state.get_tensor_and_data_parallel_group(check_initialized=False, with_context_parallel=True),
-    lambda: parallel_state.get_tensor_and_context_parallel_group(check_initialized=False),
-    lambda: parallel_state.get_expert_model_parallel_group(check_initialized=False),
-    lambda: parallel_state.get_expert_tensor_parallel_group(check_initialized=False),
-    lambda: parallel_state.get_expert_tensor_and_model_parallel_group(check_initialized=False),
-    lambda: parallel_state.get_expert_data_parallel_group(check_initialized=False),
-)
-
-
-def megatron_groups() -> list[object]:
-    """megatron's process groups this rank belongs to (those made for this layout), each once, in a fixed order."""
-    groups: list[object] = []
-    for getter in _GROUP_GETTERS:
-        try:
-            group = getter()
-        except AssertionError:  # megatron asserts on a group its layout did not make
-            continue
-        if group is not None and all(group is not g for g in groups):
-            groups.append(group)
-    return groups
-
-
-def warm_up_groups(groups: Iterable[object], device: torch.device,
-                   all_reduce: Callable[..., object] = dist.all_reduce) -> int:
-    """One all-reduce of a one-element zero over the world and over each of ``groups`` (each once), on ``device``,
-    then wait for them: every communicator exists afterwards. Returns the number of groups warmed."""
-    done: list[object] = []
-    for group in [dist.group.WORLD, *groups]:
-        if any(group is g for g in done):
-            continue
-        all_reduce(torch.zeros(1, device=device), group=group)
-        done.append(group)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return len(done)
 
 
 def destroy_parallel() -> None:

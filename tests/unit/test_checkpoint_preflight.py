@@ -260,4 +260,4 @@ def test_every_problem_is_reported_in_one_run(checkpoint_pair, data, tmp_path, c
                      "torch): add --backend megatron, or drop --ref-load",
                      f"--run-dir {tmp_path / 'a-file' / 'run'}: {tmp_path / 'a-file'} is not a directory"):
         assert any(expected in p for p in problems), (expected, problems)
-    assert f"dry run: configuration valid" not in out and f"{len(problems)} problem(s) above" in out
+    assert "dry run: configuration valid" not in out and f"{len(problems)} problem(s) above" in out

@@ -10,15 +10,12 @@ import dataclasses
 import json
 
 import pytest
-import torch
+from tiny_checkpoint import write_tiny_run_inputs
 
-from k3.config import variant
 from k3.launch.args import resolve
 from k3.launch.parser import parse_train_args
 from k3.launch.train import main as train_main
-from k3.model import KimiK3ForCausalLM
 from k3.rl import loop as loop_mod
-from k3.rl.data.arith import write_arith_dataset
 from k3.rl.handles import LocalHandle
 from k3.rl.metrics import MetricsWriter
 from k3.rl.trainer_worker import TrainerWorker
@@ -33,11 +30,7 @@ ALL, KV, W = "kv_cache,cuda_graph,weights", "kv_cache,cuda_graph", "weights"
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("colocate_loop")
-    torch.manual_seed(0)
-    KimiK3ForCausalLM(variant("tiny").replace(quantization_config=None)).save_pretrained(root / "base")
-    write_arith_dataset(root / "data" / "arith", n_train=64, n_eval=8, seed=0)
-    return root
+    return write_tiny_run_inputs(tmp_path_factory.mktemp("colocate_loop"))
 
 
 def _argv(root, run, *extra):

@@ -21,11 +21,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_checkpoint import write_tiny_run_inputs
 
-from k3.config import variant
 from k3.launch.train import main as train_main
-from k3.model import KimiK3ForCausalLM
-from k3.rl.data.arith import write_arith_dataset
 from k3.rl.resume import latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,11 +83,7 @@ _DRIVER = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("kill")
-    torch.manual_seed(0)
-    KimiK3ForCausalLM(variant("tiny").replace(quantization_config=None)).save_pretrained(root / "base")
-    write_arith_dataset(root / "data" / "arith", n_train=32, n_eval=4, seed=0)
-    return root
+    return write_tiny_run_inputs(tmp_path_factory.mktemp("kill"), n_train=32, n_eval=4)
 
 
 def _argv(root: Path, run: Path) -> list[str]:

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_lora_model import tiny_lora_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from k3.config import variant
-from k3.lora import LoRAConfig, apply_lora
-from k3.model import KimiK3ForCausalLM
 from k3.rl.grpo import token_entropy, token_log_probs
 from k3.rl.trainers.log_probs import chunked_token_log_probs
 from k3.rl.trainers.torch import PolicyTrainer
@@ -107,7 +105,7 @@ def test_bad_chunk_sizes_are_refused(bad):
                          recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
                          check_for_nan_in_loss_and_grad=True, save="/tmp/x")
     with pytest.raises(ValueError, match="log_probs_chunk_size"):
-        PolicyTrainer(_model(), pad_id=0, log_probs_chunk_size=bad)
+        PolicyTrainer(tiny_lora_model(), pad_id=0, log_probs_chunk_size=bad)
 
 
 def test_mismatched_shapes_are_refused():
@@ -117,17 +115,6 @@ def test_mismatched_shapes_are_refused():
 
 
 # ---------------------------------------------------------------------------------------------- the trainer
-def _model(seed: int = 0):
-    torch.manual_seed(seed)
-    model = apply_lora(KimiK3ForCausalLM(variant("tiny")), LoRAConfig(rank=4, alpha=8))
-    gen = torch.Generator().manual_seed(11)
-    with torch.no_grad():  # every B non-zero, so every factor gets a gradient
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(0.05 * torch.randn(p.shape, generator=gen))
-    return model
-
-
 def _trajs(vocab: int) -> list[Trajectory]:
     gen = torch.Generator().manual_seed(5)
     out = []
@@ -139,7 +126,7 @@ def _trajs(vocab: int) -> list[Trajectory]:
 
 
 def _trainer(**kwargs) -> PolicyTrainer:
-    return PolicyTrainer(_model(), pad_id=0, max_tokens_per_micro_batch=16, **kwargs)
+    return PolicyTrainer(tiny_lora_model(), pad_id=0, max_tokens_per_micro_batch=16, **kwargs)
 
 
 def _lora(trainer) -> dict[str, torch.Tensor]:

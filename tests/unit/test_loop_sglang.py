@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_checkpoint import write_tiny_run_inputs
 
 from k3.config import variant
 from k3.launch.args import resolve
@@ -31,10 +32,8 @@ from k3.launch.parser import parse_train_args
 from k3.launch.train import main as train_main
 from k3.lora import LoRAConfig
 from k3.lora.export import AdapterChunk, chunk_layout
-from k3.model import KimiK3ForCausalLM
 from k3.rl import colocate
 from k3.rl import loop as loop_mod
-from k3.rl.data.arith import write_arith_dataset
 from k3.rl.handles import LocalHandle
 from k3.rl.trainer_worker import TrainerWorker
 from k3.rollout.sglang.placement import EngineNode, plan_engine_nodes
@@ -47,28 +46,10 @@ CONTRACT = Path(__file__).resolve().parent / "test_sglang_contract.py"
 
 
 # ============================================================================ fixtures
-@pytest.fixture
-def fake_sglang(monkeypatch):
-    """The fake ``sglang`` importable (first on sys.path), its timeline empty; removed from sys.modules after."""
-    spec = importlib.util.find_spec("sglang")
-    if spec is not None and FAKE not in Path(spec.origin or "").parents:
-        pytest.skip("a real sglang is installed here; these tests drive the fake one")
-    monkeypatch.syspath_prepend(str(FAKE))
-    sglang = importlib.import_module("sglang")
-    sglang.TIMELINE.clear()
-    sglang.ENGINES.clear()
-    yield sglang
-    for name in [m for m in sys.modules if m == "sglang" or m.startswith("sglang.")]:
-        del sys.modules[name]
-
-
+# fake_sglang: tests/conftest.py
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("loop_sglang")
-    torch.manual_seed(0)
-    KimiK3ForCausalLM(variant("tiny").replace(quantization_config=None)).save_pretrained(root / "base")
-    write_arith_dataset(root / "data" / "arith", n_train=64, n_eval=8, seed=0)
-    return root
+    return write_tiny_run_inputs(tmp_path_factory.mktemp("loop_sglang"))
 
 
 def _argv(root: Path, run: Path, *extra: str) -> list[str]:

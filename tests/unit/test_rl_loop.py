@@ -7,22 +7,16 @@ import sys
 
 import pytest
 import torch
+from tiny_checkpoint import write_tiny_run_inputs
 
-from k3.config import variant
 from k3.launch.train import main as train_main
-from k3.model import KimiK3ForCausalLM
-from k3.rl.data.arith import write_arith_dataset
 from k3.rl.data.order import prompts_for_rollout
 from k3.rl.resume import latest_checkpoint
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("loop")
-    torch.manual_seed(0)
-    KimiK3ForCausalLM(variant("tiny").replace(quantization_config=None)).save_pretrained(root / "base")
-    write_arith_dataset(root / "data" / "arith", n_train=64, n_eval=8, seed=0)
-    return root
+    return write_tiny_run_inputs(tmp_path_factory.mktemp("loop"))
 
 
 def _argv(root, run, *extra):

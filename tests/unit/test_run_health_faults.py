@@ -6,15 +6,12 @@ bands. The healthy run carries replica digests, delivery digests and the token K
 import json
 
 import pytest
-import torch
+from tiny_checkpoint import write_tiny_run_inputs
 
 from harness.criteria import Status, evaluate
 from harness.readers import read_run
 from harness.tier import load_tier
-from k3.config import variant
 from k3.launch.train import main as train_main
-from k3.model import KimiK3ForCausalLM
-from k3.rl.data.arith import write_arith_dataset
 from k3.rollout.embedded.sync_faults import SYNC_FAULT_ENV, SyncFault, parse_sync_fault
 
 pytestmark = pytest.mark.timeout(600)
@@ -22,11 +19,7 @@ pytestmark = pytest.mark.timeout(600)
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("health")
-    torch.manual_seed(0)
-    KimiK3ForCausalLM(variant("tiny").replace(quantization_config=None)).save_pretrained(root / "base")
-    write_arith_dataset(root / "data" / "arith", n_train=64, n_eval=8, seed=0)
-    return root
+    return write_tiny_run_inputs(tmp_path_factory.mktemp("health"))
 
 
 def _argv(root, run):

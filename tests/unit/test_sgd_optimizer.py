@@ -17,6 +17,7 @@ import math
 
 import pytest
 import torch
+from tiny_lora_model import tiny_lora_model
 from torch import nn
 
 from k3.launch.args import TrainArgs, resolve
@@ -108,26 +109,11 @@ def test_the_megatron_policy_refuses_sgd_with_the_offload_before_any_process_gro
 
 
 # ---------------------------------------------------------------------------------------------- the torch trainer
-def _tiny_lora_model():
-    from k3.config import variant
-    from k3.lora import LoRAConfig, apply_lora
-    from k3.model import KimiK3ForCausalLM
-
-    torch.manual_seed(0)
-    model = apply_lora(KimiK3ForCausalLM(variant("tiny")), LoRAConfig(rank=4, alpha=8))
-    gen = torch.Generator().manual_seed(11)
-    with torch.no_grad():  # every B non-zero, so every factor gets a gradient
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(0.05 * torch.randn(p.shape, generator=gen))
-    return model
-
-
 def test_policy_trainer_steps_sgd_by_the_closed_form():
     from k3.rl.trainers.torch import PolicyTrainer
     from k3.rl.trainers.trajectory import Trajectory
 
-    trainer = PolicyTrainer(_tiny_lora_model(), pad_id=0, max_tokens_per_micro_batch=16,
+    trainer = PolicyTrainer(tiny_lora_model(), pad_id=0, max_tokens_per_micro_batch=16,
                             grpo=GRPOConfig(optimizer="sgd", lr=LR, weight_decay=0.0, sgd_momentum=M))
     gen = torch.Generator().manual_seed(5)
     trajs = []

@@ -21,11 +21,8 @@ source over the feed's Gloo group. Checked:
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import importlib.util
 import json
 import os
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -52,21 +49,7 @@ CHILD_TIMEOUT_S = 240
 
 
 # ============================================================================ fixtures
-@pytest.fixture
-def fake_sglang(monkeypatch):
-    """The fake ``sglang`` importable (first on sys.path, so spawned ranks see it too), its timeline empty."""
-    spec = importlib.util.find_spec("sglang")
-    if spec is not None and FAKE not in Path(spec.origin or "").parents:
-        pytest.skip("a real sglang is installed here; these tests drive the fake one")
-    monkeypatch.syspath_prepend(str(FAKE))
-    sglang = importlib.import_module("sglang")
-    sglang.TIMELINE.clear()
-    sglang.ENGINES.clear()
-    yield sglang
-    for name in [m for m in sys.modules if m == "sglang" or m.startswith("sglang.")]:
-        del sys.modules[name]
-
-
+# fake_sglang: tests/conftest.py
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     """A tiny checkpoint dir as the head reads it: config.json (chunk layout, byte tokenizer)."""
