@@ -8,7 +8,9 @@ there is one), in GB/s of checkpoint written, and whether every run wrote the sa
 Every run is the real command in a subprocess (interpreter start and the final fsyncs included), timed by the wall
 clock; the output is deleted after each run, once the sha256 of every file is taken (``--no-check-bytes`` skips
 that). GB/s = bytes of the checkpoint folder / wall seconds; CPU-s = user + sys of the command and its workers
-(on a shared machine, GB per CPU-s says more than the wall clock). The default size, the 4layer width with 4 routed
+(on a shared machine, GB per CPU-s says more than the wall clock). A ``disk:N`` run is the anchor: N threads write
+as many bytes as the run before it (else 4 GB) of incompressible data with ``pwrite`` into one file, then fsync it,
+in this process: what the disk under ``--work-dir`` takes, so a writer's GB/s reads against it. The default size, the 4layer width with 4 routed
 experts per layer (11.2 GB in BF16), fits a 2-core 24 GiB dev machine.
 """
 
@@ -91,6 +93,38 @@ def run_once(args: argparse.Namespace, workers: int, device: str, out: Path) -> 
     return row
 
 
+DISK_BLOCK = 64 << 20
+
+
+def disk_once(total: int, threads: int, out: Path) -> dict:
+    """Write ``total`` bytes (rounded up to 64 MiB blocks) with ``threads`` pwrite threads into ``out``, fsync it,
+    delete it: the disk's write rate in the same run as the writer's, GB/s of wall time."""
+    block = memoryview(os.urandom(DISK_BLOCK))
+    blocks = -(-total // DISK_BLOCK)
+    t0 = time.perf_counter()
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        def write(i: int) -> None:
+            done = 0
+            while done < DISK_BLOCK:  # pwrite may write less than asked
+                done += os.pwrite(fd, block[done:], i * DISK_BLOCK + done)
+
+        with ThreadPoolExecutor(max_workers=threads) as ex:
+            list(ex.map(write, range(blocks)))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    wall = time.perf_counter() - t0
+    out.unlink()
+    size = blocks * DISK_BLOCK
+    return {"workers": threads, "device": "disk", "seconds": round(wall, 2), "bytes": size,
+            "gb_per_s": round(size / wall / 1e9, 4), "cpu_s": None, "gb_per_cpu_s": None}
+
+
+def cpu_text(row: dict) -> str:
+    return "" if row["cpu_s"] is None else f", {row['cpu_s']:.0f} CPU-s"
+
+
 def main(argv: list[str] | None = None) -> dict:
     cpus = len(os.sched_getaffinity(0))
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -101,7 +135,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     default_runs = f"cpu:1,cpu:{cpus}" + (f",cuda:1,cuda:{min(cpus, 4)}" if torch.cuda.is_available() else "")
     p.add_argument("--runs", default=default_runs,
-                   help=f"comma-separated DEVICE:WORKERS runs, in order (default {default_runs})")
+                   help=f"comma-separated DEVICE:WORKERS runs, in order, DEVICE one of cpu, cuda and disk (the anchor: "
+                   f"pwrite + fsync of as many bytes as the run before it) (default {default_runs})")
     p.add_argument("--work-dir", type=Path, default=Path("/tmp/k3_synth_bench"))
     p.add_argument("--check-bytes", action=argparse.BooleanOptionalAction, default=True,
                    help="sha256 every file of every run and compare (default on)")
@@ -112,14 +147,19 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for run in args.runs.split(","):
         device, w = run.split(":")
-        row = run_once(args, int(w), device, args.work_dir / "ckpt")
+        if device == "disk":
+            row = disk_once(rows[-1]["bytes"] if rows else 4_000_000_000, int(w), args.work_dir / "disk_probe")
+        else:
+            row = run_once(args, int(w), device, args.work_dir / "ckpt")
         rows.append(row)
-        same = "" if "sha256" not in row else f", same bytes as the first run: {row['sha256'] == rows[0]['sha256']}"
+        checked = [r for r in rows if "sha256" in r]
+        same = "" if "sha256" not in row else f", same bytes as the first run: {row['sha256'] == checked[0]['sha256']}"
         print(f"{device} workers={w}: {row['bytes'] / 1e9:.2f} GB in {row['seconds']:.1f} s "
-              f"= {row['gb_per_s']:.3f} GB/s, {row['cpu_s']:.0f} CPU-s{same}", flush=True)
+              f"= {row['gb_per_s']:.3f} GB/s{cpu_text(row)}{same}", flush=True)
     same = None
-    if args.check_bytes:
-        same = all(r["sha256"] == rows[0]["sha256"] for r in rows)
+    checked = [r for r in rows if "sha256" in r]
+    if checked:
+        same = all(r["sha256"] == checked[0]["sha256"] for r in checked)
     base = rows[0]["gb_per_s"]
     machine = f"{cpu_model()}, {cpus} CPUs"
     if torch.cuda.is_available():
@@ -131,11 +171,11 @@ def main(argv: list[str] | None = None) -> dict:
     for r in rows:
         lines.append(f"| {r['device']} | {r['workers']} | {r['bytes'] / 1e9:.2f} | {r['seconds']:.1f} | "
                      f"{r['gb_per_s']:.3f} | {r['gb_per_s'] / base if base else float('nan'):.2f}x | "
-                     f"{r['cpu_s']:.0f} | {r['gb_per_cpu_s']:.3f} |")
+                     + ("- | - |" if r["cpu_s"] is None else f"{r['cpu_s']:.0f} | {r['gb_per_cpu_s']:.3f} |"))
     result = {"variant": args.variant, "num_experts": args.num_experts, "num_layers": args.num_layers,
               "format": args.format, "machine": machine, "cpus": cpus, "same_bytes": same,
               "runs": [{k: v for k, v in r.items() if k != "sha256"} for r in rows],
-              "sha256": rows[0].get("sha256")}
+              "sha256": checked[0]["sha256"] if checked else None}
     return report(result, "\n".join(lines), args.out)
 
 
