@@ -25,15 +25,16 @@
 #     11.1 GiB in BF16 (16: 6.78 B, 12.6 GiB; the issue's 32: 8.36 B, 15.6 GiB).
 #   - disk (64 GB on the device): the checkpoint + its torch_dist copy = 2 × 11.1 GiB = 24 GB, plus the run (its
 #     adapters: 18 MB) and the wheels: 8 experts leave 40 GB free; 32 would take 33 GB and its 289 s writer time.
-#   - the budget: SMOKE_GPU_MEMORY_FRACTION (0.2) of the device = 28 GiB of an H200's 140. In the gpu peak order
+#   - the budget: SMOKE_GPU_MEMORY_FRACTION (0.25) of the device = 35 GiB of an H200's 140. In the gpu peak order
 #     both BF16 bases are on the device at two moments (the trainer wakes while the engine's weights are still on;
-#     the engine's weights come back before the trainer sleeps): 2 × 11.1 = 22.3 GiB, leaving ~6 GiB for a
-#     trainer's micro-batch of 4096 tokens (its logits alone: 4096 × 163,840 × 6 bytes = 3.75 GiB) or the engine's
-#     prefill. Without the dance, the trainer training beside the engine's weights, or the engine generating beside
-#     the trainer's resident parameters and cached activations, needs 2 × 11.1 GiB plus both working sets: more than
-#     28 GiB. A per-process cap cannot forbid two processes that sum: the device holds only the budget because a
-#     ballast process (ci/gpu_ballast.py) takes the rest, less SMOKE_GPU_CONTEXT_GIB (1.5) for the two actors' CUDA
-#     contexts.
+#     the engine's weights come back before the trainer sleeps): 2 × 11.1 = 22.3 GiB. While the trainer trains, the
+#     engine holds neither weights nor cache, leaving ~21 GiB for the step (a micro-batch of 4096 tokens: its logits
+#     alone, 4096 × 163,840 × 6 bytes, are 3.75 GiB). Without the dance, the trainer trains beside the engine's
+#     weights and its cache (measured: 8.6 GiB of cache and graphs after rollout 0), 2 × 11.1 + 8.6 = 30.9 GiB before
+#     the step's own memory. 0.2 (28 GiB) was too tight: on the H200 the trainer ran out while being built once its
+#     NCCL communicators were made at start. A per-process cap cannot forbid two processes that sum: the device holds
+#     only the budget because a ballast process (ci/gpu_ballast.py) takes the rest, less SMOKE_GPU_CONTEXT_GIB (1.5)
+#     for the two actors' CUDA contexts.
 #   - the time (one 10-minute device call), as measured on the H200 on 2026-12-05 (the first run, 8 experts): the
 #     wheels 2 s; the checkpoint 14.8 s (--device cuda, 8 workers: 0.81 GB/s), the torch_dist copy 39.9 s, the
 #     data 3 s; `k3 train` from its start to the startup sync 48 s (Ray, the two loads, the trainer's first sleep);
@@ -52,7 +53,7 @@
 #     next run says what the training step needs; if it needs more than the budget leaves, raise
 #     SMOKE_GPU_MEMORY_FRACTION (0.25 leaves ~21.8 GB for it).
 #
-# Variables: K3_PYTHON; SMOKE_GPU_EXPERTS (8); SMOKE_GPU_MEMORY_FRACTION (0.2); SMOKE_GPU_CONTEXT_GIB (1.5);
+# Variables: K3_PYTHON; SMOKE_GPU_EXPERTS (8); SMOKE_GPU_MEMORY_FRACTION (0.25); SMOKE_GPU_CONTEXT_GIB (1.5);
 # SMOKE_GPU_BALLAST (1; 0: no budget, each actor capped only); K3_NUM_ROLLOUT (20); SMOKE_GPU_RESPONSE_LEN (512);
 # SMOKE_GPU_WORK (/tmp/k3-smoke-gpu: checkpoint, torch_dist copy, data; kept and reused between runs);
 # SMOKE_GPU_DEADLINE_S (570); SMOKE_GPU_NO_DANCE=1: the same run without the trainer's sleep and the engine's
@@ -93,7 +94,7 @@ mkdir -p "$OUT"
 exec > >(tee "$OUT/smoke_gpu.log") 2>&1
 T0=$(date +%s)
 EXPERTS=${SMOKE_GPU_EXPERTS:-8}
-FRACTION=${SMOKE_GPU_MEMORY_FRACTION:-0.2}
+FRACTION=${SMOKE_GPU_MEMORY_FRACTION:-0.25}
 CONTEXT_GIB=${SMOKE_GPU_CONTEXT_GIB:-1.5}
 ROLLOUTS=${K3_NUM_ROLLOUT:-20}
 RESPONSE_LEN=${SMOKE_GPU_RESPONSE_LEN:-512}

@@ -84,7 +84,7 @@ def _train_args(**values: str) -> list[str]:
     return shlex.split(block)
 
 
-VALUES = dict(ROLLOUTS="20", RESPONSE_LEN="512", FRACTION="0.2", WORK="/work", RUN="/run")
+VALUES = dict(ROLLOUTS="20", RESPONSE_LEN="512", FRACTION="0.25", WORK="/work", RUN="/run")
 
 
 @pytest.fixture
@@ -97,7 +97,7 @@ def no_shim(monkeypatch):
 def test_the_train_flags_resolve_to_the_tier_s_configuration(no_shim):
     r = resolve(parse_train_args(_train_args(**VALUES), environ={}))
     d = r.to_dict()
-    gpu_tier_lines = {"gpu_memory_fraction_per_actor": 0.2, "colocate_memory_peak_device": "gpu",
+    gpu_tier_lines = {"gpu_memory_fraction_per_actor": 0.25, "colocate_memory_peak_device": "gpu",
                       "lora_base_cpu_backup": True, "backend": "megatron", "rollout_engine": "embedded",
                       "rollout_max_response_len": 512, "offload_train": True, "num_gpus_per_node": 1}
     assert {k: d[k] for k in gpu_tier_lines} == gpu_tier_lines
@@ -113,7 +113,7 @@ def test_without_the_dance_the_engine_releases_nothing(no_shim):
     argv = _train_args(**VALUES) + ["--no-lora-base-cpu-backup"]
     r = resolve(parse_train_args(argv, environ={"K3_OFFLOAD_ROLLOUT_LEVEL": ""}))
     assert r.colocate.offload_rollout_level == ()
-    assert r.to_dict()["gpu_memory_fraction_per_actor"] == 0.2  # the same cap
+    assert r.to_dict()["gpu_memory_fraction_per_actor"] == 0.25  # the same cap
     text = SCRIPT.read_text()
     assert 'DANCE_FLAGS=(--no-offload-train --no-lora-base-cpu-backup)' in text
     assert 'export K3_OFFLOAD_ROLLOUT_LEVEL=""' in text
