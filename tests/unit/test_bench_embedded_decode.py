@@ -3,23 +3,16 @@ paths skipped with their reason, and the weight bytes of a step in closed form."
 
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from bench_module import load_bench
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import embedded_decode
-    finally:
-        sys.path.remove(str(BENCH))
-    return embedded_decode
+    return load_bench("embedded_decode")
 
 
 def test_tiny_run_reports_every_path_against_the_limit(bench, tmp_path):

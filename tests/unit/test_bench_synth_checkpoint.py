@@ -1,22 +1,14 @@
 """bench/synth_checkpoint.py's disk anchor: it writes the bytes it reports (whole 64 MiB blocks), flushes them, and
 leaves nothing behind; a disk run after a writer run takes that run's size."""
 
-import sys
-from pathlib import Path
-
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from bench_module import load_bench
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import synth_checkpoint
-    finally:
-        sys.path.remove(str(BENCH))
-    return synth_checkpoint
+    return load_bench("synth_checkpoint")
 
 
 def test_disk_probe_writes_whole_blocks_and_removes_its_file(bench, tmp_path, monkeypatch):
