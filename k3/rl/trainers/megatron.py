@@ -74,6 +74,7 @@ from k3.lora.export import (AdapterChunk, ChunkAllocator, ChunkSpec, ExportError
 from k3.rl.grpo import GRPOConfig, policy_loss
 from k3.rl.trainers.memory_regions import GRAD_BUFFER_TAG, GradBuffers, Regions
 from k3.rl.trainers.trajectory import Trajectory
+from k3.transport.device_memory import memory_note
 from k3.transport.handoff import flat_views, resolved_device
 
 __all__ = ["BACKEND", "DDPGradBuffers", "MegatronPolicy", "build_megatron_policy"]
@@ -153,6 +154,7 @@ def build_megatron_policy(
     config = k3_transformer_config(cfg, layout, params_dtype=dtype, perform_initialization=False,
                                    recompute=recompute)  # validates
     init_parallel(layout, seed=seed, distributed_timeout_minutes=distributed_timeout_minutes)
+    _say_device_memory("process groups made (NCCL communicators included)")
 
     def load_base(model: torch.nn.Module) -> None:
         if ref_load is not None:
@@ -171,9 +173,17 @@ def build_megatron_policy(
                                  param_region=None if regions is None else regions.params,
                                  grad_region=None if regions is None else regions.grad_buffers,
                                  optimizer=grpo.optimizer, sgd_momentum=grpo.sgd_momentum)
+    _say_device_memory("model, adapters and optimizer built")
     return MegatronPolicy(trainer, cfg, lora, pad_id=pad_id, grpo=grpo,
                           max_tokens_per_micro_batch=max_tokens_per_micro_batch,
                           parallel=(layout.tp, layout.ep, layout.pp, layout.cp), dynamic_batch=use_dynamic_batch_size)
+
+
+def _say_device_memory(moment: str) -> None:
+    # On a GPU shared with an engine, setup is where the budget is tightest, and a failed allocation inside
+    # torch_memory_saver kills the process before any memory event reaches the run: these lines are what is left.
+    if torch.cuda.is_available():
+        print(f"trainer rank {dist.get_rank()}: {moment}; {memory_note('cuda')}", flush=True)
 
 
 class DDPGradBuffers(GradBuffers):
