@@ -10,8 +10,8 @@ clock; the output is deleted after each run, once the sha256 of every file is ta
 that). GB/s = bytes of the checkpoint folder / wall seconds; CPU-s = user + sys of the command and its workers
 (on a shared machine, GB per CPU-s says more than the wall clock). A ``disk:N`` run is the anchor: N threads write
 as many bytes as the run before it (else 4 GB) of incompressible data with ``pwrite`` into one file, then fsync it,
-in this process: what the disk under ``--work-dir`` takes, so a writer's GB/s reads against it. The default size, the 4layer width with 4 routed
-experts per layer (11.2 GB in BF16), fits a 2-core 24 GiB dev machine.
+in this process: what the disk under ``--work-dir`` takes, so a writer's GB/s reads against it. The default size,
+the 4layer width with 4 routed experts per layer (11.2 GB in BF16), fits a 2-core 24 GiB dev machine.
 """
 
 from __future__ import annotations
@@ -152,14 +152,12 @@ def main(argv: list[str] | None = None) -> dict:
         else:
             row = run_once(args, int(w), device, args.work_dir / "ckpt")
         rows.append(row)
-        checked = [r for r in rows if "sha256" in r]
-        same = "" if "sha256" not in row else f", same bytes as the first run: {row['sha256'] == checked[0]['sha256']}"
+        first = next((r["sha256"] for r in rows if "sha256" in r), None)
+        same = "" if "sha256" not in row else f", same bytes as the first run: {row['sha256'] == first}"
         print(f"{device} workers={w}: {row['bytes'] / 1e9:.2f} GB in {row['seconds']:.1f} s "
               f"= {row['gb_per_s']:.3f} GB/s{cpu_text(row)}{same}", flush=True)
-    same = None
-    checked = [r for r in rows if "sha256" in r]
-    if checked:
-        same = all(r["sha256"] == checked[0]["sha256"] for r in checked)
+    hashed = [r["sha256"] for r in rows if "sha256" in r]
+    same = all(h == hashed[0] for h in hashed) if hashed else None
     base = rows[0]["gb_per_s"]
     machine = f"{cpu_model()}, {cpus} CPUs"
     if torch.cuda.is_available():
@@ -175,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"variant": args.variant, "num_experts": args.num_experts, "num_layers": args.num_layers,
               "format": args.format, "machine": machine, "cpus": cpus, "same_bytes": same,
               "runs": [{k: v for k, v in r.items() if k != "sha256"} for r in rows],
-              "sha256": checked[0]["sha256"] if checked else None}
+              "sha256": hashed[0] if hashed else None}
     return report(result, "\n".join(lines), args.out)
 
 

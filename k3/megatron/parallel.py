@@ -10,9 +10,10 @@ rank waiting longer than that on a peer that never joins a collective fails with
 With NCCL every communicator is made at start, not at a group's first collective: the world group is bound to this
 rank's GPU (``device_id``), and torch connects it and every group made after it as each is created (``new_group``
 inherits the bound device; megatron's groups included). Made lazily, the first one falls inside the first training
-step, where a colocated run's device is fullest: on the H200 under the `make smoke-gpu` budget the trainer's
-allocator held all the free memory at that moment, and NCCL's own 4-byte ``cudaMalloc`` failed ("DistBackendError:
-Failed to CUDA calloc async 4 bytes").
+step, where a colocated run's device is fullest: on the H200 under the `make smoke-gpu` budget that step failed in
+one of NCCL's own allocations ("DistBackendError: Failed to CUDA calloc async 4 bytes"), most likely a communicator
+being made. Made at start, they take their memory while the model is built instead (at a budget of 0.2 of the
+device that was the ~2.3 GiB the build had to spare; the trainer prints what the device holds after both).
 """
 
 from __future__ import annotations

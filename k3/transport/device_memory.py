@@ -95,8 +95,9 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 
 def memory_note(device: torch.device | str) -> str:
-    """One line on what ``device`` and this process hold now, for an out-of-memory message (GiB). Reading a device
-    that has just failed an allocation can fail too: the line then says so instead."""
+    """One line on what ``device`` and this process hold now (GiB): for an out-of-memory message, or a progress line
+    where memory is tight. Reading a device that has just failed an allocation can fail too: the line then says so
+    instead."""
     try:
         device = resolved_memory_device(device)
         if device.type != "cuda":

@@ -4,6 +4,7 @@ async 4 bytes": nothing said that the device was full, nor how much the trainer 
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -80,5 +81,13 @@ def test_other_errors_pass_through_unchanged():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_note_on_cuda_names_free_total_allocated_peak_and_reserved():
+    held = torch.empty(2**28, dtype=torch.uint8, device="cuda")  # 0.25 GiB held while the note is taken
     note = memory_note("cuda")
-    assert note.startswith("cuda:") and " GiB free; this process allocated " in note and "reserved" in note
+    m = re.fullmatch(r"cuda:\d+ had ([0-9.]+) of ([0-9.]+) GiB free; this process allocated ([0-9.]+) GiB \(peak "
+                     r"([0-9.]+) since its last memory reading\), reserved ([0-9.]+) GiB", note)
+    assert m is not None, note
+    free, total, allocated, peak, reserved = map(float, m.groups())
+    assert 0 <= free <= total
+    assert allocated == pytest.approx(torch.cuda.memory_allocated() / 2**30, abs=0.006) and allocated >= 0.25
+    assert allocated <= peak + 0.006 and allocated <= reserved + 0.006
+    del held
