@@ -2,8 +2,8 @@
 """Hold all of a GPU's free memory but ``--leave-gib``, until stopped: the device shrunk to a budget.
 
 `make smoke-gpu` proves the memory dance at a width whose trainer and engine fit an H200 twice over. Each actor's
-``--gpu-memory-fraction-per-actor`` cap is per process, so two actors under a cap of 0.2 each could still hold 0.4
-of the device between them; what makes "the trainer and the engine cannot both be resident at once" true is a
+``--gpu-memory-gb-per-actor`` cap is per process, so two actors under a cap of 35 GiB each could still hold 70 GiB
+between them; what makes "the trainer and the engine cannot both be resident at once" true is a
 device that holds only the budget. This process takes the rest (one plain ``cudaMalloc``-backed tensor, physical
 memory committed), prints one line, and sleeps until SIGTERM / SIGINT.
 

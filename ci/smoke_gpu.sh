@@ -6,18 +6,18 @@
 # -> its torch_dist copy -> `k3 train --backend megatron` under Ray: the Megatron trainer and the embedded engine as
 # two actors on the one GPU, adapters over CUDA IPC, the trainer asleep (torch_memory_saver) while the engine
 # generates and the engine's weights released while the trainer trains (--colocate-memory-peak-device gpu), GRPO
-# for 20 rollouts of 64 responses × 512 tokens, every actor capped at --gpu-memory-fraction-per-actor of the device
-# and the device itself shrunk to that budget -> `k3-harness check --tier gpu` (harness/spec/gpu.toml) and the
+# for 20 rollouts of 64 responses × 512 tokens, every actor capped at --gpu-memory-gb-per-actor of the device and
+# the device itself shrunk to that budget -> `k3-harness check --tier gpu` (harness/spec/gpu.toml) and the
 # HTML report. The reward is deterministic_random (a coin from the sample's hash): the model needs no skill, as in
 # the recipe's 4layer smoke.
 #
 #   bash ci/smoke_gpu.sh                  (or `make smoke-gpu`; run from anywhere)
 #
-# Needs: one CUDA GPU (≥ 2 × the BF16 base + 6 GiB free, 80 GB of disk is plenty), a python with a CUDA torch and
-# Triton (K3_PYTHON, else the first of python3 and .venv/bin/python whose torch sees CUDA), and either this repo's
-# dependencies in that python or the wheels of `python3 ci/prepare_gpu_wheels.py` in .whl/ (made on a machine with
-# internet; installed here with pip --no-index --no-deps into that python). Without CUDA it stops at once with one
-# line.
+# Needs: one CUDA GPU with more than the budget + 1.5 GiB (an 80 GB H100 or a 141 GB H200; 50 GB of disk is
+# plenty), a python with a CUDA torch and Triton (K3_PYTHON, else the first of python3 and .venv/bin/python whose
+# torch sees CUDA), and either this repo's dependencies in that python or the wheels of
+# `python3 ci/prepare_gpu_wheels.py` in .whl/ (made on a machine with internet; installed here with pip --no-index
+# --no-deps into that python). Without CUDA it stops at once with one line.
 #
 # Sizes (the arithmetic; GiB = 2^30 bytes):
 #   - the model: 5.29 B parameters without routed experts (embedding and head 2 × 1.17 B, the dense MLP, attention,
@@ -25,16 +25,18 @@
 #     11.1 GiB in BF16 (16: 6.78 B, 12.6 GiB; the issue's 32: 8.36 B, 15.6 GiB).
 #   - disk (64 GB on the device): the checkpoint + its torch_dist copy = 2 × 11.1 GiB = 24 GB, plus the run (its
 #     adapters: 18 MB) and the wheels: 8 experts leave 40 GB free; 32 would take 33 GB and its 289 s writer time.
-#   - the budget: SMOKE_GPU_MEMORY_FRACTION (0.25) of the device = 35 GiB of an H200's 140. In the gpu peak order
-#     both BF16 bases are on the device at two moments (the trainer wakes while the engine's weights are still on;
+#   - the budget: SMOKE_GPU_MEMORY_GIB (35) of the device, the same bytes on any card (0.25 of an H200's 139.8 GiB,
+#     0.44 of an H100's 79.2): the actors get --gpu-memory-gb-per-actor, each turns it into a fraction of its
+#     device, and the ballast below leaves only that much (+ the contexts) free. In the gpu peak order both BF16
+#     bases are on the device at two moments (the trainer wakes while the engine's weights are still on;
 #     the engine's weights come back before the trainer sleeps): 2 × 11.1 = 22.3 GiB. While the trainer trains, the
 #     engine holds neither weights nor cache, leaving ~21 GiB for the step (a micro-batch of 4096 tokens: its logits
 #     alone, 4096 × 163,840 × 6 bytes, are 3.75 GiB). Without the dance, the trainer trains beside the engine's
 #     weights and its cache (measured: 8.6 GiB of cache and graphs after rollout 0), 2 × 11.1 + 8.6 = 30.9 GiB before
-#     the step's own memory. 0.2 (28 GiB) was too tight: on the H200 the trainer ran out while being built once its
-#     NCCL communicators were made at start. A per-process cap cannot forbid two processes that sum: the device holds
-#     only the budget because a ballast process (ci/gpu_ballast.py) takes the rest, less SMOKE_GPU_CONTEXT_GIB (1.5)
-#     for the two actors' CUDA contexts.
+#     the step's own memory. 28 GiB (0.2 of the H200) was too tight: there the trainer ran out while being built
+#     once its NCCL communicators were made at start. A per-process cap cannot forbid two processes that sum: the
+#     device holds only the budget because a ballast process (ci/gpu_ballast.py) takes the rest, less
+#     SMOKE_GPU_CONTEXT_GIB (1.5) for the two actors' CUDA contexts.
 #   - the time (one 10-minute device call), as measured on the H200 on 2026-12-05 (the first run, 8 experts): the
 #     wheels 2 s; the checkpoint 14.8 s (--device cuda, 8 workers: 0.81 GB/s), the torch_dist copy 39.9 s, the
 #     data 3 s; `k3 train` from its start to the startup sync 48 s (Ray, the two loads, the trainer's first sleep);
@@ -51,9 +53,9 @@
 #     left free (whether the step itself fits is not known yet). Communicators are now made at start
 #     (k3/megatron/parallel.py), and the memory readings carry each phase's peak (memory/peak_allocated_gb), so the
 #     next run says what the training step needs. The second run (190d91b, budget 0.2) ran out while the trainer
-#     was being built: the ~2.3 GiB the first run had free there went to the communicators. Hence 0.25.
+#     was being built: the ~2.3 GiB the first run had free there went to the communicators. Hence 35 GiB.
 #
-# Variables: K3_PYTHON; SMOKE_GPU_EXPERTS (8); SMOKE_GPU_MEMORY_FRACTION (0.25); SMOKE_GPU_CONTEXT_GIB (1.5);
+# Variables: K3_PYTHON; SMOKE_GPU_EXPERTS (8); SMOKE_GPU_MEMORY_GIB (35); SMOKE_GPU_CONTEXT_GIB (1.5);
 # SMOKE_GPU_BALLAST (1; 0: no budget, each actor capped only); K3_NUM_ROLLOUT (20); SMOKE_GPU_RESPONSE_LEN (512);
 # SMOKE_GPU_WORK (/tmp/k3-smoke-gpu: checkpoint, torch_dist copy, data; kept and reused between runs);
 # SMOKE_GPU_DEADLINE_S (570); SMOKE_GPU_NO_DANCE=1: the same run without the trainer's sleep and the engine's
@@ -94,7 +96,7 @@ mkdir -p "$OUT"
 exec > >(tee "$OUT/smoke_gpu.log") 2>&1
 T0=$(date +%s)
 EXPERTS=${SMOKE_GPU_EXPERTS:-8}
-FRACTION=${SMOKE_GPU_MEMORY_FRACTION:-0.25}
+BUDGET_GIB=${SMOKE_GPU_MEMORY_GIB:-35}
 CONTEXT_GIB=${SMOKE_GPU_CONTEXT_GIB:-1.5}
 ROLLOUTS=${K3_NUM_ROLLOUT:-20}
 RESPONSE_LEN=${SMOKE_GPU_RESPONSE_LEN:-512}
@@ -110,7 +112,7 @@ export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/k3-triton-cache} TRITON_PRINT_A
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 K3=("$PY" -m k3)
 echo "smoke-gpu: $PY: $cuda_line"
-echo "smoke-gpu: 4layer width, $EXPERTS routed experts, cap $FRACTION per actor, $ROLLOUTS rollouts × 64 × $RESPONSE_LEN tokens$([[ $NO_DANCE == 1 ]] && echo ', WITHOUT the dance (expected: out of memory)')"
+echo "smoke-gpu: 4layer width, $EXPERTS routed experts, cap $BUDGET_GIB GiB per actor, $ROLLOUTS rollouts × 64 × $RESPONSE_LEN tokens$([[ $NO_DANCE == 1 ]] && echo ', WITHOUT the dance (expected: out of memory)')"
 
 elapsed() { echo $(( $(date +%s) - T0 )); }
 step() {  # step NAME TIMEOUT_S CMD...: run with a timeout (signal STEP_SIGNAL); print its time and exit code
@@ -125,6 +127,7 @@ step() {  # step NAME TIMEOUT_S CMD...: run with a timeout (signal STEP_SIGNAL);
     return $rc
 }
 fail() { echo "smoke-gpu: $1" >&2; exit "${2:-2}"; }
+[[ -z "${SMOKE_GPU_MEMORY_FRACTION:-}" ]] || fail "SMOKE_GPU_MEMORY_FRACTION is gone: the budget is SMOKE_GPU_MEMORY_GIB (default 35), the same bytes on any card; nothing was started"
 
 # ------------------------------------------------------------------------------------------------ wheels
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -183,13 +186,14 @@ fi
 base_gib=$(du -sb "$WORK/base" | awk '{printf "%.1f", $1 / 2^30}')
 
 # ------------------------------------------------------------------------------------------------ the budget
-read -r total_gib budget_gib < <("$PY" -c "
-import torch
-t = torch.cuda.get_device_properties(0).total_memory / 2**30
-print(f'{t:.1f} {t * $FRACTION:.1f}')")
-echo "smoke-gpu: base $base_gib GiB; device $total_gib GiB; budget $FRACTION × $total_gib = $budget_gib GiB per actor and for the run"
+total_gib=$("$PY" -c "import torch; print(f'{torch.cuda.get_device_properties(0).total_memory / 2**30:.1f}')")
+budget_gib=$BUDGET_GIB
+echo "smoke-gpu: base $base_gib GiB; device $total_gib GiB; budget $budget_gib GiB ($(awk -v b="$budget_gib" -v t="$total_gib" 'BEGIN { printf "%.3f", b / t }') of the device) per actor and for the run"
+awk -v b="$budget_gib" 'BEGIN { exit !(b > 0) }' || fail "SMOKE_GPU_MEMORY_GIB=$budget_gib: expected a positive number of GiB"
 awk -v b="$budget_gib" -v w="$base_gib" 'BEGIN { exit !(b >= 2 * w + 2) }' ||
-    fail "the budget $budget_gib GiB cannot hold both BF16 bases (2 × $base_gib GiB) at the gpu-peak moments: raise SMOKE_GPU_MEMORY_FRACTION or lower SMOKE_GPU_EXPERTS"
+    fail "the budget $budget_gib GiB cannot hold both BF16 bases (2 × $base_gib GiB) at the gpu-peak moments: raise SMOKE_GPU_MEMORY_GIB or lower SMOKE_GPU_EXPERTS"
+awk -v b="$budget_gib" -v c="$CONTEXT_GIB" -v t="$total_gib" 'BEGIN { exit !(b + c <= t) }' ||
+    fail "the budget $budget_gib GiB + $CONTEXT_GIB GiB of CUDA contexts is more than the device's $total_gib GiB: lower SMOKE_GPU_MEMORY_GIB"
 
 if [[ -e "$RUN" ]]; then
     kept="$RUN.$(date -u +%Y%m%d-%H%M%S)"
@@ -201,7 +205,7 @@ TRAIN_ARGS=(
     --num-gpus-per-node 1 --reward-model deterministic_random --num-rollout "$ROLLOUTS" --rollout-batch-size 8
     --n-samples-per-prompt 8 --global-batch-size 64 --rollout-max-concurrency 64
     --rollout-max-response-len "$RESPONSE_LEN" --max-tokens-per-gpu 4096 --lr 1e-4 --seed 0
-    --save-interval "$ROLLOUTS" --colocate-memory-peak-device gpu --gpu-memory-fraction-per-actor "$FRACTION"
+    --save-interval "$ROLLOUTS" --colocate-memory-peak-device gpu --gpu-memory-gb-per-actor "$BUDGET_GIB"
     --hf-checkpoint "$WORK/base" --ref-load "$WORK/dcp" --data-dir "$WORK/data"
     --run-id "smoke-gpu-$(date -u +%Y%m%d-%H%M%S)" "${DANCE_FLAGS[@]}"
 )
@@ -210,7 +214,7 @@ TRAIN_ARGS=(
 PLAN=$(mktemp -d "${TMPDIR:-/tmp}/k3-smoke-gpu-plan.XXXXXX")
 step "k3 train --dry-run" 60 "${K3[@]}" train "${TRAIN_ARGS[@]}" --dry-run --run-dir "$PLAN/run" >"$PLAN/plan.txt" ||
     { cat "$PLAN/plan.txt"; fail "k3 train --dry-run refused the configuration (above); nothing was started"; }
-grep -E '^ +(gpu_memory_fraction_per_actor|offload_train|offload_rollout_level|colocate_memory_peak_device|lora_base_cpu_backup|backend|rollout_engine) ' "$PLAN/plan.txt" || true
+grep -E '^ +(gpu_memory_gb_per_actor|offload_train|offload_rollout_level|colocate_memory_peak_device|lora_base_cpu_backup|backend|rollout_engine) ' "$PLAN/plan.txt" || true
 rm -rf "$PLAN"
 
 BALLAST_PID=""

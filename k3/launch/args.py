@@ -11,6 +11,7 @@ resolution into the configuration a run actually uses.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import secrets
 import shlex
@@ -198,6 +199,10 @@ class TrainArgs:
         "embedded engine call torch.cuda.set_per_process_memory_fraction at start, so an actor that allocates past "
         "it fails with an out-of-memory error); a per-process cap, not a limit on the sum of the actors on one GPU; "
         "GPU runs with the embedded engine only (default: no cap)", group="sync", ours=True)
+    gpu_memory_gb_per_actor: float | None = opt(
+        None, "the same cap in GiB of the actor's GPU (X > 0, at most the device's memory; the actor turns it into "
+        "the fraction X GiB / its device's total), so one value means the same bytes on an 80 GB and a 141 GB "
+        "card; not with --gpu-memory-fraction-per-actor (default: no cap)", group="sync", ours=True)
     check_weight_update_equal: bool = opt(False, "check the engine's weights equal the trainer's after the "
                                           "first sync", group="sync")
     ipc_unlink_shim: bool | None = opt(None, "LD_PRELOAD the shm_unlink shim in every worker, so an already "
@@ -474,6 +479,7 @@ def resolve(args: TrainArgs) -> ResolvedConfig:
             colocate_memory_peak_device=a.colocate_memory_peak_device,
             offload_rollout_level=tuple(a.offload_rollout_level),
             gpu_memory_fraction_per_actor=a.gpu_memory_fraction_per_actor,
+            gpu_memory_gb_per_actor=a.gpu_memory_gb_per_actor,
         ),
         training=TrainingSettings(
             num_steps_per_rollout=a.rollout_batch_size * a.n_samples_per_prompt // a.global_batch_size,
@@ -536,25 +542,33 @@ def _validate_values(a: TrainArgs) -> None:
     _validate_memory_fraction(a)
 
 
-# The engines that apply --gpu-memory-fraction-per-actor in their actor (SGLang sizes itself with its own
+# The engines that apply --gpu-memory-fraction-per-actor / --gpu-memory-gb-per-actor in their actor (SGLang sizes itself with its own
 # mem_fraction_static and takes no cap from us).
 MEMORY_FRACTION_ENGINES = ("embedded",)
 
 
 def _validate_memory_fraction(a: TrainArgs) -> None:
-    """--gpu-memory-fraction-per-actor: in (0, 1], on a GPU run whose every actor applies it (printed = applied)."""
-    fraction = a.gpu_memory_fraction_per_actor
-    if fraction is None:
+    """--gpu-memory-fraction-per-actor in (0, 1] or --gpu-memory-gb-per-actor > 0 (not both), on a GPU run whose
+    every actor applies it (printed = applied). Whether the GiB fit the device is known only where the actor runs
+    (k3.transport.memory_cap)."""
+    fraction, gb = a.gpu_memory_fraction_per_actor, a.gpu_memory_gb_per_actor
+    if fraction is None and gb is None:
         return
-    if not 0.0 < fraction <= 1.0:
+    if fraction is not None and gb is not None:
+        raise _fail(f"--gpu-memory-fraction-per-actor {fraction} and --gpu-memory-gb-per-actor {gb} are the same cap "
+                    "in two units: give one")
+    if fraction is not None and not 0.0 < fraction <= 1.0:
         raise _fail(f"--gpu-memory-fraction-per-actor {fraction}: must be in (0, 1] (a share of one GPU)")
+    if gb is not None and not (math.isfinite(gb) and gb > 0):
+        raise _fail(f"--gpu-memory-gb-per-actor {gb}: must be a positive number of GiB")
+    flag = (f"--gpu-memory-fraction-per-actor {fraction}" if gb is None else f"--gpu-memory-gb-per-actor {gb}")
     if not a.num_gpus_per_node:
-        raise _fail(f"--gpu-memory-fraction-per-actor {fraction} caps each actor's CUDA allocator, and this run is on "
-                    "CPU (--num-gpus-per-node 0): drop the flag")
+        raise _fail(f"{flag} caps each actor's CUDA allocator, and this run is on CPU (--num-gpus-per-node 0): "
+                    "drop the flag")
     if a.rollout_engine not in MEMORY_FRACTION_ENGINES:
-        raise _fail(f"--gpu-memory-fraction-per-actor is applied by the trainer and the "
-                    f"{' / '.join(MEMORY_FRACTION_ENGINES)} engine; --rollout-engine {a.rollout_engine} sizes its "
-                    "own memory (sglang_mem_fraction_static): drop the flag or use --rollout-engine embedded")
+        raise _fail(f"{flag.split()[0]} is applied by the trainer and the {' / '.join(MEMORY_FRACTION_ENGINES)} "
+                    f"engine; --rollout-engine {a.rollout_engine} sizes its own memory (sglang_mem_fraction_static): "
+                    "drop the flag or use --rollout-engine embedded")
 
 
 def _validate_batches(a: TrainArgs, layout: ParallelLayout) -> None:

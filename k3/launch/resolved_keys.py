@@ -283,6 +283,8 @@ _ENTRIES: tuple[ResolvedKey, ...] = (
     _applied("colocate_memory_peak_device", "the order of the memory hand-off at a sync: gpu or cpu", LOOP),
     _applied("gpu_memory_fraction_per_actor", "the share of its GPU each trainer and engine actor's CUDA allocator "
              "may reserve (None: no cap)", LOOP, WORKER, "k3/rollout/embedded/worker.py"),
+    _applied("gpu_memory_gb_per_actor", "the same cap in GiB of each actor's GPU (None: no cap, or the fraction "
+             "above)", LOOP, WORKER, "k3/rollout/embedded/worker.py"),
     _info("colocate", "trainer and engines share the devices", "k3 always colocates (the schedule of "
           "k3/rl/colocate.py); the value states it", pinned=True),
     _applied("offload_train", "the trainer sleeps (releases its memory) while the engines generate", LOOP, WORKER),

@@ -410,6 +410,7 @@ def worker_spec(s: RunSettings) -> WorkerSpec:
                       use_dynamic_batch_size=t.use_dynamic_batch_size, recompute_granularity=t.recompute_granularity,
                       recompute_method=t.recompute_method, recompute_num_layers=t.recompute_num_layers,
                       gpu_memory_fraction_per_actor=s.colocate.gpu_memory_fraction_per_actor,
+                      gpu_memory_gb_per_actor=s.colocate.gpu_memory_gb_per_actor,
                       # the optimizer's (megatron: resolve sets them for that backend only) and the guards (both)
                       use_distributed_optimizer=o.use_distributed_optimizer,
                       optimizer_cpu_offload=o.optimizer_cpu_offload,

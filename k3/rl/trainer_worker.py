@@ -42,7 +42,7 @@ from k3.transport.fed_producer import FedProducer
 from k3.transport.feed_group import join_feeds
 from k3.transport.handoff import AdapterProducer, HandoffError, TransferBuffer
 from k3.transport.leakcheck import LeakCheck, release_freed_heap
-from k3.transport.memory_cap import apply_gpu_memory_fraction
+from k3.transport.memory_cap import apply_gpu_memory_cap
 from k3.transport.rank_feed import RankFeed, this_gpu, this_node
 
 __all__ = ["TrainerWorker"]
@@ -55,8 +55,8 @@ class TrainerWorker:
         self.spec = spec
         self.rank = rank
         # Before anything is allocated: every later allocation of this rank counts against the cap.
-        capped = apply_gpu_memory_fraction(spec.gpu_memory_fraction_per_actor, _rank_device(spec),
-                                           f"trainer rank {rank}")
+        capped = apply_gpu_memory_cap(_rank_device(spec), f"trainer rank {rank}",
+                                      fraction=spec.gpu_memory_fraction_per_actor, gb=spec.gpu_memory_gb_per_actor)
         if capped:
             print(capped, flush=True)
         self.tokenizer = load_tokenizer(spec.model_dir)

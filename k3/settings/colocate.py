@@ -23,8 +23,9 @@ class ColocateSettings:
     ``cpu``: each side offloads first). ``offload_rollout_level``: the engine memory released for training, a
     subset of :data:`OFFLOAD_ROLLOUT_LEVELS`. ``train_memory_margin_bytes``: bytes kept free for the trainer.
     ``gpu_memory_fraction_per_actor``: the share of its GPU each actor's CUDA allocator may reserve (every trainer
-    rank and every embedded engine applies it at start); None: no cap. A per-process limit: it bounds each actor
-    alone, not the sum of two actors on one device.
+    rank and every embedded engine applies it at start); None: no cap. ``gpu_memory_gb_per_actor``: the same cap in
+    GiB of the actor's device (at most one of the two is set). A per-process limit: it bounds each actor alone, not
+    the sum of two actors on one device.
     """
 
     colocate: bool
@@ -35,3 +36,4 @@ class ColocateSettings:
     colocate_memory_peak_device: str = "gpu"
     offload_rollout_level: tuple[str, ...] = OFFLOAD_ROLLOUT_LEVELS
     gpu_memory_fraction_per_actor: float | None = None
+    gpu_memory_gb_per_actor: float | None = None

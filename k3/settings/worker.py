@@ -41,9 +41,11 @@ class WorkerSpec:
     recompute_granularity: str | None = None  # megatron backend only, as the three below
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
-    # The share of the worker's GPU its CUDA allocator may reserve (ColocateSettings.gpu_memory_fraction_per_actor);
-    # None: no cap. Each worker applies it when it starts (k3.transport.memory_cap).
+    # The share of the worker's GPU its CUDA allocator may reserve (ColocateSettings.gpu_memory_fraction_per_actor),
+    # or the GiB of it (gpu_memory_gb_per_actor); at most one; None: no cap. Each worker applies it when it starts
+    # (k3.transport.memory_cap).
     gpu_memory_fraction_per_actor: float | None = None
+    gpu_memory_gb_per_actor: float | None = None
     use_distributed_optimizer: bool = False
     optimizer_cpu_offload: bool = False
     optimizer_offload_fraction: float = 0.0

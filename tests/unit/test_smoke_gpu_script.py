@@ -64,6 +64,24 @@ def test_a_python_without_torch_is_named(tmp_path):
     assert lines[0].startswith(f"smoke-gpu: needs one CUDA GPU: {fake}: ModuleNotFoundError")
 
 
+def test_the_old_fraction_variable_is_refused_not_ignored(tmp_path):
+    """The budget is SMOKE_GPU_MEMORY_GIB now (the same bytes on any card); a user's old SMOKE_GPU_MEMORY_FRACTION
+    stops the script before anything starts instead of being silently replaced. A fake python plays the GPU."""
+    fake = tmp_path / "python3"
+    fake.write_text("#!/bin/sh\necho 'NVIDIA H100 80GB HBM3, 79.2 GiB, torch 2.11.0+cu130'\n")
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    done = subprocess.run(["bash", str(SCRIPT)], env=_cpu_env(K3_PYTHON=str(fake), OUT=str(out),
+                                                              SMOKE_GPU_MEMORY_FRACTION="0.25"),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    # the script's output goes through tee: the pipe's EOF (which run() waits for) comes after tee's last write
+    assert done.stdout.strip().splitlines()[-1] == (
+        "smoke-gpu: SMOKE_GPU_MEMORY_FRACTION is gone: the budget is SMOKE_GPU_MEMORY_GIB (default 35), the same "
+        "bytes on any card; nothing was started")
+    assert not (out / "verdict.json").exists()
+
+
 def test_make_smoke_gpu_runs_the_script(tmp_path):
     done = subprocess.run(["make", "-s", "-C", str(ROOT), "smoke-gpu"], env=_cpu_env(OUT=str(tmp_path / "o")),
                           capture_output=True, text=True, timeout=120)
@@ -84,7 +102,7 @@ def _train_args(**values: str) -> list[str]:
     return shlex.split(block)
 
 
-VALUES = dict(ROLLOUTS="20", RESPONSE_LEN="512", FRACTION="0.25", WORK="/work", RUN="/run")
+VALUES = dict(ROLLOUTS="20", RESPONSE_LEN="512", BUDGET_GIB="35", WORK="/work", RUN="/run")
 
 
 @pytest.fixture
@@ -97,7 +115,7 @@ def no_shim(monkeypatch):
 def test_the_train_flags_resolve_to_the_tier_s_configuration(no_shim):
     r = resolve(parse_train_args(_train_args(**VALUES), environ={}))
     d = r.to_dict()
-    gpu_tier_lines = {"gpu_memory_fraction_per_actor": 0.25, "colocate_memory_peak_device": "gpu",
+    gpu_tier_lines = {"gpu_memory_gb_per_actor": 35.0, "gpu_memory_fraction_per_actor": None, "colocate_memory_peak_device": "gpu",
                       "lora_base_cpu_backup": True, "backend": "megatron", "rollout_engine": "embedded",
                       "rollout_max_response_len": 512, "offload_train": True, "num_gpus_per_node": 1}
     assert {k: d[k] for k in gpu_tier_lines} == gpu_tier_lines
@@ -113,7 +131,7 @@ def test_without_the_dance_the_engine_releases_nothing(no_shim):
     argv = _train_args(**VALUES) + ["--no-lora-base-cpu-backup"]
     r = resolve(parse_train_args(argv, environ={"K3_OFFLOAD_ROLLOUT_LEVEL": ""}))
     assert r.colocate.offload_rollout_level == ()
-    assert r.to_dict()["gpu_memory_fraction_per_actor"] == 0.25  # the same cap
+    assert r.to_dict()["gpu_memory_gb_per_actor"] == 35.0  # the same cap
     text = SCRIPT.read_text()
     assert 'DANCE_FLAGS=(--no-offload-train --no-lora-base-cpu-backup)' in text
     assert 'export K3_OFFLOAD_ROLLOUT_LEVEL=""' in text

@@ -29,7 +29,7 @@ from k3.settings.worker import WorkerSpec
 from k3.tokenizer import load_tokenizer
 from k3.transport.device_memory import GIB, physical_bytes
 from k3.transport.handoff import serve
-from k3.transport.memory_cap import apply_gpu_memory_fraction
+from k3.transport.memory_cap import apply_gpu_memory_cap
 
 __all__ = ["EngineWorker"]
 
@@ -50,7 +50,8 @@ class EngineWorker:
                  sabotage_sync: bool = False) -> None:
         self.spec = spec
         # Before the model loads: every allocation of the engine counts against the cap.
-        capped = apply_gpu_memory_fraction(spec.gpu_memory_fraction_per_actor, spec.device, "embedded engine")
+        capped = apply_gpu_memory_cap(spec.device, "embedded engine", fraction=spec.gpu_memory_fraction_per_actor,
+                                      gb=spec.gpu_memory_gb_per_actor)
         if capped:
             print(capped, flush=True)
         self.tokenizer = load_tokenizer(spec.model_dir)
