@@ -11,7 +11,7 @@ import pytest
 
 from k3.kernels.kda import tuning as fla_tuning
 from k3.kernels.kda.tuning import (SHIPPED, TunedConfig, gpu_dir_name, key_hash, parse_autotune_log,
-                                   pin_fla_configs, write_config_dir)
+                                   pin_fla_configs, recorded_folder, write_config_dir)
 
 # Two blocks as Triton 3.6 prints them (from ci/gpu_fla_probe.py on the H200), with the candidates' lines and
 # an unrelated line between them.
@@ -114,6 +114,33 @@ def test_pin_points_fla_at_the_shipped_h200_folder_in_strict_mode(clean_env):
             assert all(key_hash(e["autotune_key"]) == h for h, e in data["autotune_entries"].items())
 
 
+def test_a_gpu_of_the_same_capability_takes_the_h200_folder(clean_env):
+    """An H100 (compute capability 9.0, like the H200) has no folder of its own: it runs the H200's configs rather
+    than autotuning for minutes; an 8.0 card (A100) gets nothing, and the capability is only a fallback."""
+    import os
+
+    assert json.loads((SHIPPED / "NVIDIA_H200" / "manifest.json").read_text())["compute_capability"] == "9.0"
+    assert pin_fla_configs("NVIDIA H100 80GB HBM3", capability="9.0") == SHIPPED / "NVIDIA_H200"
+    assert (os.environ["FLA_CONFIG_DIR"], os.environ["FLA_CACHE_MODE"]) == (str(SHIPPED / "NVIDIA_H200"), "strict")
+    clean_env.delenv("FLA_CONFIG_DIR")
+    clean_env.delenv("FLA_CACHE_MODE")
+    assert pin_fla_configs("NVIDIA H100 80GB HBM3") is None  # no capability given: own folder only
+    assert pin_fla_configs("NVIDIA A100-SXM4-80GB", capability="8.0") is None
+    assert "FLA_CONFIG_DIR" not in os.environ
+
+
+def test_a_gpu_s_own_folder_wins_over_one_of_its_capability(tmp_path):
+    for name, cap in (("NVIDIA_A", "9.0"), ("NVIDIA_B", "9.0"), ("NVIDIA_H100_80GB_HBM3", "9.0"), ("Other", "8.0")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text(json.dumps({"fla-core": "0.6.0", "compute_capability": cap}))
+    (tmp_path / "empty").mkdir()
+    assert recorded_folder("NVIDIA H100 80GB HBM3", "9.0", tmp_path) == tmp_path / "NVIDIA_H100_80GB_HBM3"
+    assert recorded_folder("NVIDIA H200", "9.0", tmp_path) == tmp_path / "NVIDIA_A"  # the first by name
+    assert recorded_folder("NVIDIA A100", "8.0", tmp_path) == tmp_path / "Other"
+    assert recorded_folder("NVIDIA A100", "7.0", tmp_path) is None
+    assert recorded_folder("NVIDIA A100", "8.0", tmp_path / "missing") is None
+
+
 def test_nothing_is_pinned_when_the_user_decides_or_nothing_fits(clean_env, tmp_path):
     import os
 
@@ -153,6 +180,16 @@ def test_record_command_writes_the_folder_and_refuses_logs_without_results(tmp_p
                                  "--fla-core", "0.6.0", "--triton", "3.6.0"])
     assert result.exit_code == 2 and "TRITON_PRINT_AUTOTUNING=1" in result.output
     assert not (tmp_path / "cfg2").exists()
+    log.write_text(LOG)
+    result = runner.invoke(app, ["record-fla-tuning", str(log), "--out", str(tmp_path / "cfg3"), "--fla-core",
+                                 "0.6.0", "--triton", "3.6.0", "--compute-capability", "9.0"])
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "cfg3" / "manifest.json").read_text()) == {
+        "compute_capability": "9.0", "fla-core": "0.6.0", "triton": "3.6.0"}
+    result = runner.invoke(app, ["record-fla-tuning", str(log), "--out", str(tmp_path / "cfg4"), "--fla-core",
+                                 "0.6.0", "--triton", "3.6.0", "--compute-capability", "sm90"])
+    assert result.exit_code == 2 and "expected MAJOR.MINOR, e.g. 9.0" in result.output
+    assert not (tmp_path / "cfg4").exists()
 
 
 def test_the_kda_dispatch_pins_before_importing_fla(clean_env):
@@ -163,11 +200,12 @@ def test_the_kda_dispatch_pins_before_importing_fla(clean_env):
     from k3.kernels.kda import fla as kda
 
     clean_env.setattr(kda.torch.cuda, "is_available", lambda: True)
-    clean_env.setattr(kda.torch.cuda, "get_device_name", lambda index=0: "NVIDIA H200")
+    clean_env.setattr(kda.torch.cuda, "get_device_name", lambda index=0: "NVIDIA H100 80GB HBM3")
+    clean_env.setattr(kda.torch.cuda, "get_device_capability", lambda index=0: (9, 0))
     kda._fla_ops.cache_clear()
     try:
         kda._fla_ops()
-        assert os.environ.get("FLA_CONFIG_DIR") == str(SHIPPED / "NVIDIA_H200")
+        assert os.environ.get("FLA_CONFIG_DIR") == str(SHIPPED / "NVIDIA_H200")  # by its capability
         assert os.environ.get("FLA_CACHE_MODE") == "strict"
     finally:
         kda._fla_ops.cache_clear()

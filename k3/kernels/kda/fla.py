@@ -50,7 +50,8 @@ FLA_SAFE_GATE_RANGE = (-5.0, 0.0)
 def _fla_ops():
     """``(chunk_kda, fused_recurrent_kda)`` from fla, or None when fla (or its Triton) cannot be imported."""
     if torch.cuda.is_available():  # before fla's first import: it reads its config mode once
-        pin_fla_configs(torch.cuda.get_device_name(0))
+        major, minor = torch.cuda.get_device_capability(0)
+        pin_fla_configs(torch.cuda.get_device_name(0), capability=f"{major}.{minor}")
     try:
         from fla.ops.kda import chunk_kda as fla_chunk_kda
         from fla.ops.kda import fused_recurrent_kda as fla_fused_recurrent_kda

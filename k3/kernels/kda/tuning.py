@@ -15,9 +15,14 @@ to look them up). This module
   there;
 - pins: before fla is first imported, points fla at the files shipped in ``k3/kernels/kda/fla_tuned/<GPU>/``
   for this GPU in ``strict`` mode: only an exact key (same kernel, shapes class and dtypes) reuses a recorded
-  config; every other key is autotuned as before. Nothing is pinned when the user set ``FLA_CONFIG_DIR`` or
-  ``FLA_CACHE_MODE`` (theirs wins), when ``K3_FLA_PINNED_CONFIGS=0``, when no files were recorded for this
-  GPU, or when the installed fla-core is not the version they were recorded with.
+  config; every other key is autotuned as before. A GPU with no folder of its own takes the folder of a GPU of
+  the same compute capability (``compute_capability`` in the folder's manifest): a config is block shapes, warps
+  and pipeline stages, and what those can use (shared memory per block, registers per thread) is fixed by the
+  capability — an H100 and an H200 are both 9.0 with 227 KiB of shared memory per block — so the H200's choices
+  run on an H100 and spare a fresh host minutes of autotuning; they may not be the H100's fastest (its memory is
+  slower). Nothing is pinned when the user set ``FLA_CONFIG_DIR`` or ``FLA_CACHE_MODE`` (theirs wins), when
+  ``K3_FLA_PINNED_CONFIGS=0``, when no files were recorded for this GPU or its capability, or when the installed
+  fla-core is not the version they were recorded with.
 
 Where only the numbers matter (the GPU parity tests), ``FLA_CACHE_MODE=full`` with ``FLA_CONFIG_DIR`` set to
 the folder uses a recorded config for *every* key (fla's fuzzy match, then the kernel's ``default_config``), so
@@ -40,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["SHIPPED", "TunedConfig", "gpu_dir_name", "key_hash", "parse_autotune_log", "pin_fla_configs",
-           "write_config_dir"]
+           "recorded_folder", "write_config_dir"]
 
 SHIPPED = Path(__file__).with_name("fla_tuned")
 MANIFEST = "manifest.json"  # not a kernel name: fla only opens {kernel}.json for kernels it runs
@@ -148,20 +153,42 @@ def gpu_dir_name(device_name: str) -> str:
     return re.sub(r"[^0-9A-Za-z]+", "_", device_name).strip("_") or "unknown_gpu"
 
 
-def pin_fla_configs(device_name: str | None, root: Path = SHIPPED) -> Path | None:
-    """Point fla at the recorded configs for ``device_name`` (see the module docstring); call before fla's first
-    import. Returns the directory pinned, or None when nothing was pinned."""
+def _manifest(folder: Path) -> dict[str, Any]:
+    try:
+        data = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def recorded_folder(device_name: str, capability: str | None = None, root: Path = SHIPPED) -> Path | None:
+    """The folder of recorded configs for ``device_name``: its own, else (given ``capability``, e.g. ``"9.0"``) the
+    first by name whose manifest records that compute capability; None when neither exists."""
+    own = root / gpu_dir_name(device_name)
+    if _manifest(own):
+        return own
+    if capability is None or not root.is_dir():
+        return None
+    return next((folder for folder in sorted(root.iterdir())
+                 if folder.is_dir() and _manifest(folder).get("compute_capability") == capability), None)
+
+
+def pin_fla_configs(device_name: str | None, root: Path = SHIPPED, capability: str | None = None) -> Path | None:
+    """Point fla at the recorded configs for ``device_name``, or for a GPU of its compute ``capability`` (``"9.0"``)
+    when it has none of its own (see the module docstring); call before fla's first import. Returns the directory
+    pinned, or None when nothing was pinned."""
     if device_name is None or os.environ.get("K3_FLA_PINNED_CONFIGS", "1") == "0":
         return None
     if "FLA_CONFIG_DIR" in os.environ or "FLA_CACHE_MODE" in os.environ or "fla.ops.utils.cache" in sys.modules:
         return None
-    folder = root / gpu_dir_name(device_name)
-    try:
-        recorded = json.loads((folder / MANIFEST).read_text()).get("fla-core")
-        installed = importlib.metadata.version("fla-core")
-    except (OSError, ValueError, importlib.metadata.PackageNotFoundError):
+    folder = recorded_folder(device_name, capability, root)
+    if folder is None:
         return None
-    if recorded != installed:
+    try:
+        installed = importlib.metadata.version("fla-core")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    if _manifest(folder).get("fla-core") != installed:
         return None
     os.environ["FLA_CONFIG_DIR"] = str(folder)
     os.environ["FLA_CACHE_MODE"] = "strict"
