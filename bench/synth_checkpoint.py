@@ -7,7 +7,9 @@ there is one), in GB/s of checkpoint written, and whether every run wrote the sa
 
 Every run is the real command in a subprocess (interpreter start and the final fsyncs included), timed by the wall
 clock; the output is deleted after each run, once the sha256 of every file is taken (``--no-check-bytes`` skips
-that). GB/s = bytes of the checkpoint folder / wall seconds; CPU-s = user + sys of the command and its workers
+that). GB/s = bytes of the checkpoint folder / wall seconds; the command's own line splits its time into the
+phases the writer reports (start-up = interpreter, imports and planning; write = workers started, values generated
+and written into the page cache, with its GB/s; fsync = the flush to disk), so a slow run says which part was slow; CPU-s = user + sys of the command and its workers
 (on a shared machine, GB per CPU-s says more than the wall clock). A ``disk:N`` run is the anchor: N threads write
 as many bytes as the run before it (else 4 GB) of incompressible data with ``pwrite`` into one file, then fsync it,
 in this process: what the disk under ``--work-dir`` takes, so a writer's GB/s reads against it. The default size,
@@ -20,6 +22,7 @@ import argparse
 import hashlib
 import os
 import platform
+import re
 import resource
 import shutil
 import subprocess
@@ -86,11 +89,33 @@ def run_once(args: argparse.Namespace, workers: int, device: str, out: Path) -> 
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     row = {"workers": workers, "device": device, "seconds": round(wall, 2), "bytes": size,
            "gb_per_s": round(size / wall / 1e9, 4), "cpu_s": round(cpu, 1),
-           "gb_per_cpu_s": round(size / cpu / 1e9, 4)}
+           "gb_per_cpu_s": round(size / cpu / 1e9, 4), **command_phases(proc.stdout, wall)}
     if args.check_bytes:
         row["sha256"] = file_hashes(out)
     shutil.rmtree(out)
     return row
+
+
+_PHASES = re.compile(r"files ([0-9.]+) s, generate \+ write ([0-9.]+) s \(([0-9.]+|inf) GB/s\), fsync ([0-9.]+) s")
+
+
+def command_phases(stdout: str, wall: float) -> dict:
+    """The phases of ``k3 make-checkpoint``'s closing line (``k3.checkpoint.synth.phases_text``), seconds, plus
+    ``startup_s``: the wall time outside them (interpreter, imports, planning, the rename). Empty when the line
+    is not there (an older k3)."""
+    m = _PHASES.search(stdout)
+    if m is None:
+        return {}
+    files_s, write_s, rate, fsync_s = (float(g) for g in m.groups())
+    return {"startup_s": round(wall - files_s - write_s - fsync_s, 2), "write_s": write_s,
+            "write_gb_per_s": rate, "fsync_s": fsync_s}
+
+
+def phases_text(row: dict) -> str:
+    if "write_s" not in row:
+        return ""
+    return (f" (start-up {row['startup_s']:.1f} s, write {row['write_s']:.1f} s = {row['write_gb_per_s']:.2f} GB/s, "
+            f"fsync {row['fsync_s']:.1f} s)")
 
 
 DISK_BLOCK = 64 << 20
@@ -155,7 +180,7 @@ def main(argv: list[str] | None = None) -> dict:
         first = next((r["sha256"] for r in rows if "sha256" in r), None)
         same = "" if "sha256" not in row else f", same bytes as the first run: {row['sha256'] == first}"
         print(f"{device} workers={w}: {row['bytes'] / 1e9:.2f} GB in {row['seconds']:.1f} s "
-              f"= {row['gb_per_s']:.3f} GB/s{cpu_text(row)}{same}", flush=True)
+              f"= {row['gb_per_s']:.3f} GB/s{phases_text(row)}{cpu_text(row)}{same}", flush=True)
     hashed = [r["sha256"] for r in rows if "sha256" in r]
     same = all(h == hashed[0] for h in hashed) if hashed else None
     base = rows[0]["gb_per_s"]
@@ -164,11 +189,14 @@ def main(argv: list[str] | None = None) -> dict:
         machine += f", {torch.cuda.get_device_name()}"
     lines = [f"Synthetic checkpoint: {args.variant}, {args.num_experts} experts, {args.format}; {machine}; "
              f"same bytes in every run: {same}", "",
-             "| device | workers | GB | seconds | GB/s | vs first row | CPU-s | GB per CPU-s |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| device | workers | GB | seconds | GB/s | vs first row | start-up s | write s (GB/s) | fsync s | CPU-s "
+             "| GB per CPU-s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        phases = ("- | - | - |" if "write_s" not in r else
+                  f"{r['startup_s']:.1f} | {r['write_s']:.1f} ({r['write_gb_per_s']:.2f}) | {r['fsync_s']:.1f} |")
         lines.append(f"| {r['device']} | {r['workers']} | {r['bytes'] / 1e9:.2f} | {r['seconds']:.1f} | "
-                     f"{r['gb_per_s']:.3f} | {r['gb_per_s'] / base if base else float('nan'):.2f}x | "
+                     f"{r['gb_per_s']:.3f} | {r['gb_per_s'] / base if base else float('nan'):.2f}x | {phases} "
                      + ("- | - |" if r["cpu_s"] is None else f"{r['cpu_s']:.0f} | {r['gb_per_cpu_s']:.3f} |"))
     result = {"variant": args.variant, "num_experts": args.num_experts, "num_layers": args.num_layers,
               "format": args.format, "machine": machine, "cpus": cpus, "same_bytes": same,

@@ -69,18 +69,20 @@ language_model. prefix and model.safetensors.index.json, random weights at reali
 every variant fits in RAM; the full one needs ~1.56 TB of disk. The output appears only when complete."""
     import time
 
-    from k3.checkpoint.synth import synthetic_config, write_synthetic_checkpoint
+    from k3.checkpoint.synth import phases_text, synthetic_config, write_synthetic_checkpoint
 
     t0 = time.perf_counter()
+    phases: dict[str, float] = {}
     try:
         cfg = synthetic_config(variant_name.value, num_experts, num_layers)
         size = parse_size(max_shard_size)
         path = write_synthetic_checkpoint(cfg, out, fmt.value, seed=seed, max_shard_size=size,
                                           overwrite=overwrite, progress=progress, workers=workers,
-                                          device=device.value)
+                                          device=device.value, timings=phases)
     except (CheckpointError, ConfigError, ValueError) as e:
         _fail(e)
-    typer.echo(f"wrote {fmt.value} {variant_name.value} checkpoint to {path} in {time.perf_counter() - t0:.1f} s")
+    typer.echo(f"wrote {fmt.value} {variant_name.value} checkpoint to {path} in {time.perf_counter() - t0:.1f} s "
+               f"({phases_text(phases)})")
 
 
 convert_app = typer.Typer(

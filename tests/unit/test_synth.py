@@ -8,6 +8,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -184,11 +185,32 @@ def test_cli(tmp_path):
     assert (cfg.num_experts, cfg.num_experts_per_token, cfg.num_hidden_layers) == (4, 2, 5)
     assert cfg.linear_attn_config.full_attn_layers == [4, 5] and cfg.quantization_config is None
     assert len(list(out.glob("*.safetensors"))) > 1
+    assert re.search(r"wrote bf16 tiny checkpoint to .* in [0-9.]+ s \([0-9.]+ GB: files [0-9.]+ s, generate \+ "
+                     r"write [0-9.]+ s \(([0-9.]+|inf) GB/s\), fsync [0-9.]+ s\)", r.output), r.output
     r = runner.invoke(app, ["--out", str(out)])
     assert r.exit_code == 1 and "not empty; pass --overwrite" in r.output
     r = runner.invoke(app, ["--out", str(tmp_path / "d"), "--max-shard-size", "lots"])
     assert r.exit_code == 1 and "expected a number with an optional unit" in r.output
     assert synthetic_config("4layer", num_experts=16).num_experts == 16
+
+
+def test_timings_split_the_write_into_its_phases(tmp_path, monkeypatch):
+    """``timings`` gets the three phases (each ≥ 0, together within the call's wall time) and the bytes written;
+    the line the CLI prints from them reads each number back, the write's GB/s included."""
+    fsynced = []
+    monkeypatch.setattr(synth, "_fsync", lambda path: (fsynced.append(path.name), time.sleep(0.05)))
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    out = write_synthetic_checkpoint(variant("tiny"), tmp_path / "c", "bf16", progress=False, workers=1,
+                                     timings=timings)
+    wall = time.perf_counter() - t0
+    assert sorted(timings) == ["bytes", "files_s", "fsync_s", "write_s"]
+    assert timings["bytes"] == sum(p.stat().st_size for p in out.glob("*.safetensors"))
+    assert all(timings[k] >= 0 for k in ("files_s", "write_s", "fsync_s"))
+    assert timings["fsync_s"] >= 0.05 and fsynced  # the flush is its own phase
+    assert timings["files_s"] + timings["write_s"] + timings["fsync_s"] <= wall
+    text = synth.phases_text({"bytes": 12e9, "files_s": 0.06, "write_s": 10.0, "fsync_s": 4.44})
+    assert text == "12.00 GB: files 0.1 s, generate + write 10.0 s (1.20 GB/s), fsync 4.4 s"
 
 
 def test_streams_one_chunk_at_a_time(tmp_path):
