@@ -62,8 +62,8 @@ def converted(tmp_path_factory, cfg):
     hf = write_synthetic_checkpoint(cfg, tmp / "hf", "bf16", seed=3, max_shard_size=400_000, progress=False)
     dcp = tmp / "dcp"
     run_workers(["-m", "k3", "convert", "hf-to-dist", "--hf-checkpoint", str(hf), "--save", str(dcp),
-                 "--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2", "--no-progress"],
-                nproc=2)
+                 "--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2", "--no-progress",
+                 "--save-writers", "3"], nproc=2)
     return tmp, hf, dcp
 
 
@@ -72,7 +72,7 @@ def test_hf_to_dist_writes_the_release_layout(converted):
     assert (dcp / "latest_checkpointed_iteration.txt").read_text().strip() == "release"
     files = {p.name for p in (dcp / "release").iterdir()}
     assert {"metadata.json", ".metadata", "common.pt", "k3_config.json"} <= files
-    assert sum(name.endswith(".distcp") for name in files) >= 2  # written by both ranks
+    assert sum(name.endswith(".distcp") for name in files) == 6  # both ranks, 3 writers each (--save-writers 3)
 
 
 def test_tp2_ep2_checkpoint_loads_at_tp1_equal_to_the_hf_tensors(converted):
@@ -168,3 +168,25 @@ def test_cli_reports_errors_with_exit_code_1(tmp_path):
                                               str(tmp_path / "out")])
     assert result.exit_code == 1
     assert "error:" in result.output and "not a checkpoint" in result.output
+
+
+def test_save_writers_must_be_at_least_one(converted, tmp_path):
+    from k3.megatron.convert import convert_hf_to_dist
+
+    _, hf, _ = converted
+    with pytest.raises(ValueError, match=r"^--save-writers 0: expected at least 1$"):
+        convert_hf_to_dist(hf, tmp_path / "dcp", writers=0)
+    assert not (tmp_path / "dcp").exists()
+
+
+@pytest.mark.parametrize("cpus, local_ranks, writers", [(16, None, 8), (16, "4", 4), (2, None, 2), (2, "8", 1),
+                                                        (128, "8", 8)])
+def test_default_save_writers_share_the_node_s_cpus_among_its_ranks(monkeypatch, cpus, local_ranks, writers):
+    import k3.megatron.checkpoint as checkpoint
+
+    monkeypatch.setattr(checkpoint.os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    if local_ranks is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local_ranks)
+    assert checkpoint.default_save_writers() == writers
