@@ -531,7 +531,8 @@ def write_synthetic_checkpoint(
     (``cpu`` | ``cuda``); the bytes do not depend on either. Built in ``.<name>.k3-synth-partial`` beside
     ``out_dir`` and renamed at the end. ``timings``, when given, receives where the time went (seconds):
     ``files_s`` (the shard files created at their size), ``write_s`` (workers started, every value generated
-    and written into the page cache), ``fsync_s`` (the flush to disk, index and config included), and ``bytes`` (of the shard files).
+    and written into the page cache), ``fsync_s`` (the flush to disk, index and config included), and ``bytes``
+    (of the shard files).
     Raises CheckpointError if ``out_dir`` is non-empty and ``overwrite`` is off, for ``workers`` < 1, and for an
     unknown device or ``cuda`` without one.
     """

@@ -542,8 +542,8 @@ def _validate_values(a: TrainArgs) -> None:
     _validate_memory_fraction(a)
 
 
-# The engines that apply --gpu-memory-fraction-per-actor / --gpu-memory-gb-per-actor in their actor (SGLang sizes itself with its own
-# mem_fraction_static and takes no cap from us).
+# The engines that apply --gpu-memory-fraction-per-actor / --gpu-memory-gb-per-actor in their actor (SGLang sizes
+# itself with its own mem_fraction_static and takes no cap from us).
 MEMORY_FRACTION_ENGINES = ("embedded",)
 
 

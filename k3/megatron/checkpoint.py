@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -42,8 +41,7 @@ __all__ = [
     "load_hf_state_dict",
     "load_hf_checkpoint",
     "save_dist",
-    "default_save_writers",
-    "MAX_SAVE_WRITERS",
+    "DEFAULT_SAVE_WRITERS",
     "load_dist",
     "read_dist_tensors",
     "read_dist_config",
@@ -56,7 +54,7 @@ __all__ = [
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
 K3_CONFIG_NAME = "k3_config.json"
-MAX_SAVE_WRITERS = 8  # more files per rank than this buys little on one disk and costs a process each
+DEFAULT_SAVE_WRITERS = 2  # megatron's own default for its torch_dist save (thread_count)
 
 Fetch = Callable[[str, range | None], torch.Tensor]
 
@@ -156,24 +154,15 @@ def dist_checkpoint_dir(save: str | Path) -> Path:
     return Path(save) / RELEASE
 
 
-def default_save_writers() -> int:
-    """Writer processes per rank for ``save_dist``: this node's CPUs shared by its ranks (``LOCAL_WORLD_SIZE``),
-    at least 1 and at most ``MAX_SAVE_WRITERS``."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    return max(1, min(MAX_SAVE_WRITERS, cpus // ranks))
-
-
-def save_dist(model: torch.nn.Module, save: str | Path, cfg: K3Config, writers: int | None = None) -> Path:
+def save_dist(model: torch.nn.Module, save: str | Path, cfg: K3Config,
+              writers: int = DEFAULT_SAVE_WRITERS) -> Path:
     """Write the base model (no adapters) as a torch_dist checkpoint under ``save/release``; every rank calls it.
 
     ``writers``: processes per rank that write its files in parallel (megatron's torch_dist strategy,
-    ``thread_count``; one ``.distcp`` file each; None: ``default_save_writers``). The save is bound by writing
-    files: on the 2-core dev box a 6.6 GB model took 17.5 s with 1 writer, 13.3 s with 2 (megatron's default) and
-    11.9 s with 4. The K3 config is stored beside it (``release/k3_config.json``) and the tracker file
-    ``latest_checkpointed_iteration.txt`` (``release``) is written last, after every rank finished.
+    ``thread_count``: one ``.distcp`` file each; ``bench/hf_to_dist.py`` times the choice). The K3 config is stored
+    beside it (``release/k3_config.json``) and the tracker file ``latest_checkpointed_iteration.txt`` (``release``)
+    is written last, after every rank finished.
     """
-    writers = default_save_writers() if writers is None else writers
     if writers < 1:
         raise ValueError(f"save_dist: writers={writers}: expected at least 1")
     save = Path(save)
@@ -186,8 +175,8 @@ def save_dist(model: torch.nn.Module, save: str | Path, cfg: K3Config, writers: 
     _barrier()
     sharded = without_adapters(model.sharded_state_dict())
     with _checkpoint_io_without_cuda():
-        dist_checkpointing.save(sharded, str(ckpt), TorchDistSaveShardedStrategy("torch_dist", 1,
-                                                                                   thread_count=writers))
+        strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=writers)
+        dist_checkpointing.save(sharded, str(ckpt), strategy)
     _barrier()
     if rank0:
         (ckpt / K3_CONFIG_NAME).write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")

@@ -43,9 +43,9 @@ def _fail(err: Exception) -> None:
 
 
 def convert_hf_to_dist(hf_checkpoint: Path, save: Path, tp: int = 1, ep: int = 1, pp: int = 1,
-                       dtype: torch.dtype = torch.bfloat16, progress: bool = True, writers: int | None = None) -> Path:
+                       dtype: torch.dtype = torch.bfloat16, progress: bool = True, writers: int = 2) -> Path:
     """The conversion itself (every rank calls it); returns the torch_dist directory. ``writers``: processes per
-    rank writing its files (``save_dist``; None: its default)."""
+    rank writing its files (``save_dist``)."""
     from k3.megatron.checkpoint import check_save_dir, load_hf_checkpoint, save_dist
     from k3.megatron.config import k3_transformer_config
     from k3.megatron.model import k3_model_provider
@@ -63,7 +63,7 @@ def convert_hf_to_dist(hf_checkpoint: Path, save: Path, tp: int = 1, ep: int = 1
     if missing:
         raise CheckpointError(f"{hf_checkpoint}: {len(missing)} tensors of the model are missing, e.g. {missing[:3]}")
     check_save_dir(save)
-    if writers is not None and writers < 1:
+    if writers < 1:
         raise ValueError(f"--save-writers {writers}: expected at least 1")
     layout = ParallelLayout.model_parallel(tp=tp, ep=ep, pp=pp)
     config = k3_transformer_config(cfg, layout, params_dtype=dtype, dispatcher="allgather",
@@ -123,9 +123,9 @@ def hf_to_dist(
     dtype: Annotated[str, typer.Option(help="Dtype of the saved weights: bfloat16 or float32 (the F32 "
                                        "tensors of the checkpoint stay float32).")] = "bfloat16",
     progress: Annotated[bool, typer.Option(help="Show a progress bar (rank 0).")] = True,
-    save_writers: Annotated[int | None, typer.Option(
-        help="Processes per rank that write its torch_dist files in parallel, one file each (default: this "
-             "node's CPUs over its ranks, at most 8).")] = None,
+    save_writers: Annotated[int, typer.Option(
+        help="Processes per rank that write its torch_dist files in parallel, one file each (megatron's default: "
+             "2).")] = 2,
 ) -> None:
     """Convert a BF16 HF checkpoint to a megatron torch_dist checkpoint; run it under torchrun.
 

@@ -177,16 +177,3 @@ def test_save_writers_must_be_at_least_one(converted, tmp_path):
     with pytest.raises(ValueError, match=r"^--save-writers 0: expected at least 1$"):
         convert_hf_to_dist(hf, tmp_path / "dcp", writers=0)
     assert not (tmp_path / "dcp").exists()
-
-
-@pytest.mark.parametrize("cpus, local_ranks, writers", [(16, None, 8), (16, "4", 4), (2, None, 2), (2, "8", 1),
-                                                        (128, "8", 8)])
-def test_default_save_writers_share_the_node_s_cpus_among_its_ranks(monkeypatch, cpus, local_ranks, writers):
-    import k3.megatron.checkpoint as checkpoint
-
-    monkeypatch.setattr(checkpoint.os, "sched_getaffinity", lambda pid: set(range(cpus)))
-    if local_ranks is None:
-        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    else:
-        monkeypatch.setenv("LOCAL_WORLD_SIZE", local_ranks)
-    assert checkpoint.default_save_writers() == writers
