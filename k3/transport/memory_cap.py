@@ -5,11 +5,10 @@ Each colocated actor (a trainer rank, the embedded engine) applies it once, when
 anything: ``torch.cuda.set_per_process_memory_fraction(fraction, device)``, where a cap in GiB becomes the fraction
 ``GiB × 2^30 / total`` of the actor's own device (so one setting means the same bytes on an 80 GB H100 and a 141 GB
 H200). From then on an allocation that would take the process's reserved memory past the cap raises
-``torch.OutOfMemoryError`` in that actor. It is
-a per-process limit: two actors on one GPU with a cap of 0.6 each can still hold 1.2 of the device between them, so
-what keeps a trainer and an engine from being resident together is the device's own size (``make smoke-gpu`` shrinks
-that to a budget; see ci/smoke_gpu.sh). It lives beside the leak gate: both account for what an actor holds on its
-device around the hand-off.
+``torch.OutOfMemoryError`` in that actor. It is a per-process limit: two actors on one GPU with a cap of 0.6 each
+can still hold 1.2 of the device between them, so what keeps a trainer and an engine from being resident together
+is the device's own size (``make smoke-gpu`` shrinks that to a budget; see ci/smoke_gpu.sh). It lives beside the
+leak gate: both account for what an actor holds on its device around the hand-off.
 """
 
 from __future__ import annotations
