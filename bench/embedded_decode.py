@@ -20,6 +20,12 @@ tokens (prefill and per-call costs cancel), the best of ``--repeats``. The limit
 ``1 − (1 − k/E)^B`` per layer, uniform routing) over the copy bandwidth (bytes read + written per second by one
 large device-to-device copy): ``ratio = limit_ms / ms_per_step`` (1 = at the bandwidth limit). Prefill: one forward
 of ``--prefill-tokens`` tokens in one sequence (after a warm-up call), tokens/s.
+
+``--profile``: where a step's time goes, for every timed path at the largest batch. torch.profiler records the same
+two ``generate`` calls (n₁ and n₂ new tokens), and each kernel's time per step is its difference over the
+``--steps`` tokens between them, as for the step itself (on CUDA the device kernels CUPTI reports, which should
+include those a CUDA graph replays: not yet seen on a GPU; on CPU the operators' own time). The table lists the largest; "kernels / step" is their sum over all names, which
+against ms/step says how much of a step the device is busy (the rest: gaps between kernels, host work).
 """
 
 from __future__ import annotations
@@ -116,6 +122,38 @@ def decode_ms_per_step(engine: EmbeddedEngine, prompts: list[list[int]], steps: 
     return (best_long - best_short) / steps, [s.tokens for s in runs[-1][1]]
 
 
+def _op_times_us(engine: EmbeddedEngine, prompts: list[list[int]], n: int) -> dict[str, tuple[int, float]]:
+    """``{name: (calls, µs)}`` of one ``generate`` of ``n`` new tokens: the device kernels on CUDA, the operators'
+    own CPU time on CPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = engine.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    reqs = [GenerateRequest(p) for p in prompts]
+    with profile(activities=activities) as prof:
+        engine.generate(reqs, SamplingParams(temperature=0, max_new_tokens=n))
+        if cuda:
+            torch.cuda.synchronize(engine.device)
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    return {e.key: (e.count, e.self_device_time_total if cuda else e.self_cpu_time_total)
+            for e in prof.key_averages() if e.device_type == kind}
+
+
+def step_profile(engine: EmbeddedEngine, prompts: list[list[int]], steps: int, top: int = 20) -> dict:
+    """Per decode step, each kernel's calls and µs: the difference between ``generate`` calls of
+    ``FIRST_CALL_TOKENS + steps`` and ``FIRST_CALL_TOKENS`` new tokens over ``steps``; the ``top`` largest, and the
+    sum over every name (``kernel_us_per_step``)."""
+    short = _op_times_us(engine, prompts, FIRST_CALL_TOKENS)
+    long = _op_times_us(engine, prompts, FIRST_CALL_TOKENS + steps)
+    per_step = {}
+    for name, (calls, us) in long.items():
+        calls0, us0 = short.get(name, (0, 0.0))
+        per_step[name] = {"calls": (calls - calls0) / steps, "us": (us - us0) / steps}
+    ranked = sorted(per_step.items(), key=lambda item: -item[1]["us"])
+    return {"kernel_us_per_step": sum(v["us"] for v in per_step.values()),
+            "top": [{"name": name, **v} for name, v in ranked[:top]]}
+
+
 def prefill_tokens_per_s(model: KimiK3ForCausalLM, tokens: int, vocab: int, device: torch.device) -> float:
     ids = torch.randint(1, vocab, (1, tokens), device=device, generator=torch.Generator(device).manual_seed(0))
 
@@ -142,6 +180,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--copy-mib", type=int, default=None, help="copy size for the bandwidth (default 2048; tiny 64)")
     ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile each path at the largest batch: each kernel's time per decode step")
     ap.add_argument("--out", type=Path, default=None, help="write the result as JSON")
     args = ap.parse_args(argv)
 
@@ -200,6 +240,8 @@ def main(argv: list[str] | None = None) -> dict:
                            "plan": engine.decode_plan.describe(), "graph_fallback": engine._graph_off,
                            "flashinfer_fallback": engine._flashinfer_off,
                            "greedy_tokens_equal_first_path": same / sum(len(x) for x in tokens)}
+            if args.profile and B == max(batches):
+                row[str(B)]["profile"] = step_profile(engine, prompts, steps)
             engine.release_memory(["kv_cache", "cuda_graph"])
             del engine
             gc.collect()
@@ -217,7 +259,22 @@ def main(argv: list[str] | None = None) -> dict:
             r = result["decode"][name][str(B)]
             cells.append("skipped" if "skipped" in r else f"{r['ms_per_step']:.3f} ({r['ratio_to_limit']:.3f})")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    for name in paths:
+        r = result["decode"][name].get(str(max(batches)), {})
+        if "profile" in r:
+            lines += profile_table(name, max(batches), r["ms_per_step"], r["profile"])
     return report(result, "\n".join(lines), args.out)
+
+
+def profile_table(path: str, batch: int, ms_per_step: float, prof: dict) -> list[str]:
+    busy = prof["kernel_us_per_step"] / 1e3
+    lines = ["", f"{path}, batch {batch}: {ms_per_step:.3f} ms/step, kernels {busy:.3f} ms/step "
+             f"({busy / ms_per_step:.0%} of it)", "", "| kernel | calls / step | µs / step | share of the kernels |",
+             "|---|---:|---:|---:|"]
+    for k in prof["top"]:
+        share = k["us"] / prof["kernel_us_per_step"] if prof["kernel_us_per_step"] else float("nan")
+        lines.append(f"| `{k['name'][:90]}` | {k['calls']:.1f} | {k['us']:.1f} | {share:.1%} |")
+    return lines
 
 
 if __name__ == "__main__":

@@ -51,3 +51,23 @@ def test_weight_bytes_of_a_step(bench):
     assert bench.weight_bytes_per_step(model, 1, k) == rest + int(experts * k / E) + H * 4
     # a large batch touches (almost) every expert
     assert bench.weight_bytes_per_step(model, 4096, k) == rest + experts + 4096 * H * 4
+
+
+def test_profile_splits_a_step_into_its_operators(bench, monkeypatch):
+    """--profile: per step, each operator's time is the difference of two profiled generate calls over the steps
+    between them, so the per-call costs cancel; the sum over every name is reported beside the largest ones."""
+    result = bench.main(["--tiny", "--batches", "1,2", "--steps", "2", "--repeats", "1", "--prompt-len", "4",
+                         "--prefill-tokens", "16", "--copy-mib", "8", "--paths", "static", "--profile"])
+    assert "profile" not in result["decode"]["static"]["1"]  # the largest batch only
+    prof = result["decode"]["static"]["2"]["profile"]
+    assert 0 < len(prof["top"]) <= 20
+    assert [k["us"] for k in prof["top"]] == sorted((k["us"] for k in prof["top"]), reverse=True)
+    assert prof["kernel_us_per_step"] >= sum(k["us"] for k in prof["top"]) - 1e-6
+    assert {"aten::mm", "aten::_grouped_mm"} & {k["name"] for k in prof["top"]}
+
+    # the arithmetic, on fixed readings: (long - short) / steps per name, a name only in the long call from 0
+    readings = iter([{"a": (2, 100.0), "b": (1, 10.0)}, {"a": (6, 300.0), "b": (1, 10.0), "c": (4, 40.0)}])
+    monkeypatch.setattr(bench, "_op_times_us", lambda engine, prompts, n: next(readings))
+    prof = bench.step_profile(None, [[1]], steps=2, top=2)
+    assert prof == {"kernel_us_per_step": 120.0, "top": [{"name": "a", "calls": 2.0, "us": 100.0},
+                                                         {"name": "c", "calls": 2.0, "us": 20.0}]}
