@@ -11,8 +11,9 @@ prompt and decodes greedily, never stopping (the tokenizer's eos is outside the 
 
 Paths (``DecodeSettings``): ``eager`` (the grown reference cache, a checked forward per step), ``static`` (the
 preallocated cache at host positions), ``window`` (its device position, absorbed MLA in torch, no graph), ``graph``
-(window + CUDA graphs, torch MLA attention and sampler), ``flashinfer`` (graph + flashinfer's MLA kernel and sampler).
-A path that cannot run here is reported with the reason.
+(window + CUDA graphs, torch MLA attention and sampler), ``fused`` (graph with RMSNorm and SiTU as one Triton kernel
+each), ``flashinfer`` (graph + flashinfer's MLA kernel and sampler), ``auto`` (what the engine takes by default
+here). A path that cannot run here is reported with the reason.
 
 Decode ms/step is ``(t(n₂) − t(n₁)) / (n₂ − n₁)`` over two ``generate`` calls of n₁ = 4 and n₂ = 4 + ``--steps`` new
 tokens (prefill and per-call costs cancel), the best of ``--repeats``. The limit: the weight bytes one step reads
@@ -53,9 +54,11 @@ from k3.settings.decode import DecodeSettings
 PATHS = {
     "eager": DecodeSettings(mode="eager", sampler="torch"),
     "static": DecodeSettings(mode="static", sampler="torch"),
-    "window": DecodeSettings(mode="window", mla_kernel="torch", sampler="torch"),
-    "graph": DecodeSettings(mode="graph", mla_kernel="torch", sampler="torch"),
-    "flashinfer": DecodeSettings(mode="graph", mla_kernel="flashinfer", sampler="flashinfer"),
+    "window": DecodeSettings(mode="window", mla_kernel="torch", sampler="torch", elementwise="torch"),
+    "graph": DecodeSettings(mode="graph", mla_kernel="torch", sampler="torch", elementwise="torch"),
+    "fused": DecodeSettings(mode="graph", mla_kernel="torch", sampler="torch", elementwise="triton"),
+    "flashinfer": DecodeSettings(mode="graph", mla_kernel="flashinfer", sampler="flashinfer", elementwise="torch"),
+    "auto": DecodeSettings(),
 }
 FIRST_CALL_TOKENS = 4
 
@@ -239,6 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
             row[str(B)] = {"ms_per_step": ms, "tokens_per_s": B * 1e3 / ms, "ratio_to_limit": limit_ms / ms,
                            "plan": engine.decode_plan.describe(), "graph_fallback": engine._graph_off,
                            "flashinfer_fallback": engine._flashinfer_off,
+                           "elementwise_fallback": engine._elementwise_off,
                            "greedy_tokens_equal_first_path": same / sum(len(x) for x in tokens)}
             if args.profile and B == max(batches):
                 row[str(B)]["profile"] = step_profile(engine, prompts, steps)

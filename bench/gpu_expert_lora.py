@@ -41,7 +41,7 @@ import k3.kernels.expert_lora.folded as folded_mod
 import k3.kernels.expert_lora.function as lora_function_mod
 import k3.lora.experts as lora_experts_mod
 import k3.model.moe as moe_mod
-from k3.kernels.expert_lora import availability
+from k3.kernels import availability
 from k3.kernels.expert_lora.triton import DEFAULT_BLOCKS
 from k3.kernels.grouped_mm import grouped_mm, grouped_weight_grad, native_grouped_mm_supported
 from k3.lora.experts import LoRALatentExperts

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench folder: me
 from gpu_expert_lora import build, expert_counts, kernel_table, time_side_by_side  # noqa: E402
 from measure import elapsed_ms, report  # noqa: E402
 
-from k3.kernels.expert_lora import availability
+from k3.kernels import availability
 from k3.kernels.expert_lora.reference import tile_schedule_reference
 from k3.kernels.expert_lora.schedule import row_offsets, row_tiles, tile_schedule
 from k3.kernels.expert_lora.triton import DEFAULT_BLOCKS, contract, expand_add_, weight_grad

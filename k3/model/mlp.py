@@ -2,7 +2,8 @@
 
 ``SiTU(g, u) = [β1·tanh(g/β1)·σ(g)] ⊙ [β2·tanh(u/β2)]`` (β1 = 4, β2 = 25, so |SiTU| ≤ β1·β2 = 100), computed
 in float32 and cast back (architecture §2.4). The soft tanh clip is the point: a hard clip is not the same
-function.
+function. ``situ`` is ``k3.kernels.situ.situ``: the plain form (``naive.py``) everywhere but in the embedded engine's
+window-mode decode on CUDA, which asks for the same math in one Triton kernel.
 """
 
 from __future__ import annotations
@@ -10,14 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from k3.kernels.situ import situ
+
 __all__ = ["situ", "DenseMLP", "SharedExperts"]
-
-
-def situ(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0) -> torch.Tensor:
-    """SiTU-GLU of the gate and up projections (same shape); float32 math, result in gate's dtype."""
-    g, u = gate.float(), up.float()
-    out = (beta * torch.tanh(g / beta) * torch.sigmoid(g)) * (linear_beta * torch.tanh(u / linear_beta))
-    return out.to(gate.dtype)
 
 
 class DenseMLP(nn.Module):

@@ -1,10 +1,15 @@
-"""RMSNorm as the K3 reference computes it, and the gated RMSNorm on KDA's output."""
+"""RMSNorm as the K3 reference computes it, and the gated RMSNorm on KDA's output.
+
+``RMSNorm`` runs ``k3.kernels.rms_norm.rms_norm``: its plain form (``naive.py``, the math below) everywhere but in
+the embedded engine's window-mode decode on CUDA, which asks for the same math in one Triton kernel.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from k3.kernels.rms_norm import rms_norm
 from k3.model.precision import KeepsFloat32
 
 __all__ = ["RMSNorm", "GatedRMSNorm", "rms_normalize"]
@@ -25,8 +30,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [..., dim]`` -> ``[..., dim]`` in x's dtype."""
-        return self.weight * rms_normalize(x, self.eps).to(x.dtype)
+        """``x [..., dim]`` -> ``[..., dim]`` in x's dtype: ``weight · cast(rms_normalize(x))``."""
+        return rms_norm(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

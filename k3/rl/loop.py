@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from k3.kernels.expert_lora import availability as expert_lora_availability
+from k3.kernels import availability as triton_availability
 from k3.megatron import backend as megatron_backend
 from k3.rl import colocate
 from k3.rl.data.chat import encode_prompt
@@ -383,10 +383,10 @@ def _require_expert_lora_kernel(kernel: str, device: str) -> None:
     first training step, after the warm-up and the first rollout)."""
     if kernel in ("torch", "auto"):  # auto falls back to torch where the kernels cannot run
         return
-    if not expert_lora_availability.triton_available():
+    if not triton_availability.triton_available():
         raise TrainingError("--expert-lora-kernel triton needs Triton (on a CUDA machine: pip install triton); "
                             "use --expert-lora-kernel torch")
-    if not expert_lora_availability.triton_runs_on(device):
+    if not triton_availability.triton_runs_on(device):
         raise TrainingError(f"--expert-lora-kernel triton: the Triton kernels run on a CUDA device and this run "
                             f"trains on {device}; use --expert-lora-kernel torch")
 

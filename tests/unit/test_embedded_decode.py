@@ -347,6 +347,36 @@ def test_auto_on_cuda_takes_graphs_and_says_what_it_left_out():
         resolve_decode(DecodeSettings(mode="window"), torch.device("cpu"), model)
 
 
+def test_rmsnorm_and_situ_kernels_are_resolved_for_the_window_modes(monkeypatch):
+    """elementwise: auto takes the Triton kernels in the window modes on CUDA where Triton runs, and says why not
+    where it does not; the reference modes and the CPU keep torch; an explicit triton that cannot run is refused.
+    Resolution reads the device's type and Triton's availability, faked here."""
+    import k3.rollout.embedded.decode_plan as decode_plan
+
+    model, cuda, cpu = _model(), torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setattr(decode_plan, "triton_runs_on", lambda device: torch.device(device).type == "cuda")
+    plan = resolve_decode(DecodeSettings(), cuda, model)
+    assert (plan.mode, plan.elementwise) == ("graph", "triton")
+    assert "RMSNorm/SiTU triton" in plan.describe()
+    assert resolve_decode(DecodeSettings(mode="window", elementwise="torch"), cuda, model).elementwise == "torch"
+    assert resolve_decode(DecodeSettings(mode="static"), cuda, model).elementwise == "torch"
+    assert resolve_decode(DecodeSettings(), cpu, model).elementwise == "torch"
+    assert resolve_decode(DecodeSettings(mode="window"), cpu, model).elementwise == "torch"
+    with pytest.raises(ValueError, match=r"^elementwise triton runs in the window modes \(window, graph\), not in "
+                                         r"mode static$"):
+        resolve_decode(DecodeSettings(mode="static", elementwise="triton"), cuda, model)
+    with pytest.raises(ValueError, match=r"^elementwise triton: needs a CUDA device with Triton, the engine runs on "
+                                         r"cpu$"):
+        resolve_decode(DecodeSettings(mode="window", elementwise="triton"), cpu, model)
+    monkeypatch.setattr(decode_plan, "triton_runs_on", lambda device: False)  # CUDA without Triton
+    plan = resolve_decode(DecodeSettings(), cuda, model)
+    assert plan.elementwise == "torch" and "RMSNorm/SiTU torch: Triton does not import" in plan.notes
+    with pytest.raises(ValueError, match="and Triton does not import$"):
+        resolve_decode(DecodeSettings(elementwise="triton"), cuda, model)
+    with pytest.raises(ValueError, match=r"DecodeSettings.elementwise='fused': expected one of auto, torch, triton"):
+        DecodeSettings(elementwise="fused")
+
+
 def _k3_latent():
     """The tiny variant with K3's MLA latent (kv_lora_rank 512, rope 64): the one shape flashinfer's MLA kernel has."""
     return variant("tiny").replace(kv_lora_rank=512, qk_rope_head_dim=64)
@@ -359,6 +389,7 @@ def test_flashinfer_mla_is_taken_only_for_the_latent_shape_it_is_built_for(monke
     import k3.rollout.embedded.decode_plan as decode_plan
 
     monkeypatch.setattr(decode_plan, "flashinfer_missing", lambda device: None)
+    monkeypatch.setattr(decode_plan, "triton_runs_on", lambda device: True)
     cuda = torch.device("cuda")
     tiny = _model().to(torch.bfloat16)
     plan = resolve_decode(DecodeSettings(), cuda, tiny)
@@ -419,6 +450,20 @@ def test_cuda_graph_decode_gives_eager_greedy_tokens():
     _assert_greedy_under_float32(model, graph)
     engine.release_memory(["cuda_graph"])
     assert not engine._memory._graphs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["window", "graph"])
+def test_fused_rmsnorm_and_situ_decode_gives_eager_greedy_tokens(mode):
+    """RMSNorm and SiTU as one Triton kernel each (captured into the graph in graph mode): the probe passes and the
+    greedy tokens are the model's under float32, as the plain ops' are."""
+    model = _gpu_model()
+    engine = EmbeddedEngine(model, ByteTokenizer(), device="cuda",
+                            decode=DecodeSettings(mode=mode, mla_kernel="torch", sampler="torch", elementwise="triton"))
+    assert engine.decode_plan.elementwise == "triton"
+    got = _greedy(engine)
+    assert engine._elementwise_off is None and engine._graph_off is None
+    _assert_greedy_under_float32(model, got)
 
 
 @pytest.mark.gpu

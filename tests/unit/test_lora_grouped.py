@@ -22,7 +22,8 @@ import copy
 import pytest
 import torch
 
-from k3.kernels.expert_lora import availability, function
+from k3.kernels import availability
+from k3.kernels.expert_lora import function
 from k3.kernels.expert_lora.reference import (contract_reference, expand_add_reference, tile_schedule_reference,
                                               weight_grad_reference)
 from k3.kernels.expert_lora.schedule import row_offsets, row_tiles, tile_schedule

@@ -17,7 +17,8 @@ import pytest
 import torch
 from torch import nn
 
-from k3.kernels.expert_lora import availability, function
+from k3.kernels import availability
+from k3.kernels.expert_lora import function
 from k3.kernels.expert_lora.triton import DEFAULT_BLOCKS, cpu_interpreter_problem
 from k3.settings.lora import LoRAConfig
 

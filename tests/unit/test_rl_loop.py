@@ -180,7 +180,7 @@ def test_the_leak_baseline_is_taken_after_the_first_sync_that_follows_training()
 def test_triton_expert_kernel_where_it_cannot_run_stops_before_anything_starts(setup, monkeypatch, capsys,
                                                                                have_triton, says):
     """It would fail only at the first training step, after the warm-up and the first rollout."""
-    from k3.kernels.expert_lora import availability
+    from k3.kernels import availability
 
     monkeypatch.setenv("K3_IN_PROCESS", "1")
     monkeypatch.setattr(availability, "triton_available", lambda: have_triton)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from k3.kernels.expert_lora import availability
+from k3.kernels import availability
 from k3.kernels.expert_lora.schedule import row_tiles
 from k3.kernels.expert_lora.triton import (DEFAULT_BLOCKS, check_counts, check_dtypes, contract, expand_add_,
                                            require_triton, weight_grad)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from k3.kernels.expert_lora import availability
+from k3.kernels import availability
 from k3.kernels.expert_lora.reference import tile_schedule_reference
 
 __all__ = ["MAX_EXPERTS", "checked_schedule", "row_offsets", "row_tiles", "tile_schedule"]

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import torch
 
-from k3.kernels.expert_lora import availability
+from k3.kernels import availability
 from k3.kernels.expert_lora.schedule import checked_schedule, row_offsets
 
 __all__ = ["DEFAULT_BLOCKS", "MAX_RANK", "Pair", "check_counts", "check_dtypes", "contract", "cpu_interpreter_problem",

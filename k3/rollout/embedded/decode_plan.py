@@ -1,7 +1,8 @@
 """How the embedded engine decodes on its device: ``DecodeSettings`` resolved against the device and the model.
 
 ``auto`` picks the fastest path that runs here (CUDA: CUDA graphs over the static cache, flashinfer's MLA kernel and
-sampler where flashinfer imports and the model is BF16/FP16; elsewhere: the static cache at host positions). An
+sampler where flashinfer imports and the model is BF16/FP16, RMSNorm and SiTU as one Triton kernel each where Triton
+imports; elsewhere: the static cache at host positions). An
 explicit choice that cannot run here is refused with the reason; what ``auto`` left out is said in the plan's notes.
 """
 
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from k3.kernels.availability import triton_runs_on
 from k3.kernels.mla_decode.flashinfer import flashinfer_missing, mla_shape_problem
 from k3.model import KimiK3ForCausalLM
 from k3.model.mla import MLAttention
@@ -25,8 +27,9 @@ _FLASHINFER_DTYPES = (torch.bfloat16, torch.float16)
 @dataclass(frozen=True)
 class DecodePlan:
     """The resolved decode: ``mode`` (eager | static | window | graph), ``mla_kernel`` (torch | flashinfer; the
-    window modes' MLA attention), ``sampler`` (torch | flashinfer), the stop-check interval, the graph buckets, and
-    ``notes``: why ``auto`` did not take something."""
+    window modes' MLA attention), ``sampler`` (torch | flashinfer), the stop-check interval, the graph buckets,
+    ``elementwise`` (torch | triton: the window modes' RMSNorm and SiTU), and ``notes``: why ``auto`` did not take
+    something."""
 
     mode: str
     mla_kernel: str
@@ -34,13 +37,15 @@ class DecodePlan:
     stop_check_interval: int
     graph_batch_sizes: tuple[int, ...]
     notes: tuple[str, ...] = ()
+    elementwise: str = "torch"
 
     def bucket(self, batch: int) -> int:
         """Rows a graph runs a batch of ``batch`` in: the smallest listed size that holds it, else the batch."""
         return next((n for n in self.graph_batch_sizes if n >= batch), batch)
 
     def describe(self) -> str:
-        kernel = f", MLA attention {self.mla_kernel}" if self.mode in WINDOW_MODES else ""
+        kernel = (f", MLA attention {self.mla_kernel}, RMSNorm/SiTU {self.elementwise}" if self.mode in WINDOW_MODES
+                  else "")
         notes = f" ({'; '.join(self.notes)})" if self.notes else ""
         return (f"decode mode {self.mode}{kernel}, sampler {self.sampler}, stop check every "
                 f"{self.stop_check_interval} steps{notes}")
@@ -104,10 +109,23 @@ def resolve_decode(settings: DecodeSettings, device: torch.device, model: KimiK3
             else:
                 notes.append(f"MLA attention torch: {problem}")
 
+    elementwise = settings.elementwise
+    triton_here = cuda and triton_runs_on(device)
+    if elementwise == "triton":
+        if mode not in WINDOW_MODES:
+            raise ValueError(f"elementwise triton runs in the window modes (window, graph), not in mode {mode}")
+        if not triton_here:
+            raise ValueError(f"elementwise triton: needs a CUDA device with Triton, the engine runs on {device}"
+                             + ("" if not cuda else " and Triton does not import"))
+    elif elementwise == "auto":
+        elementwise = "triton" if mode in WINDOW_MODES and triton_here else "torch"
+        if mode in WINDOW_MODES and cuda and not triton_here:
+            notes.append("RMSNorm/SiTU torch: Triton does not import")
+
     sampler = settings.sampler
     if sampler == "flashinfer" and fi_missing is not None:
         raise ValueError(f"sampler flashinfer: {fi_missing}")
     if sampler == "auto":
         sampler = "flashinfer" if fi_missing is None else "torch"
     return DecodePlan(mode, mla_kernel, sampler, settings.stop_check_interval, tuple(settings.graph_batch_sizes),
-                      tuple(notes))
+                      tuple(notes), elementwise)

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from k3.kernels.elementwise_mode import triton_elementwise
+from k3.kernels.elementwise_probe import probe_elementwise_kernels
 from k3.kernels.mla_decode.naive import mla_decode_masked
 from k3.lora import apply_lora
 from k3.model import KimiK3ForCausalLM
@@ -83,6 +85,8 @@ class EmbeddedEngine:
         self._memory = DecodeMemory(self.model, self.device)
         self._graph_off: str | None = None  # why CUDA graphs stopped being used (a capture failed)
         self._flashinfer_off: str | None = None  # why flashinfer's MLA attention stopped being used
+        self._elementwise_off: str | None = None  # why the fused RMSNorm/SiTU kernels were left (their probe)
+        self._elementwise_probed = False
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
@@ -118,10 +122,13 @@ class EmbeddedEngine:
             ids[b, L - n :] = torch.tensor(r.prompt_ids, dtype=torch.long)
             mask[b, L - n :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
-        stepper = self._stepper([len(r.prompt_ids) for r in batch], L + sampling.max_new_tokens)
         plan = self.decode_plan
-        res = decode_batch(stepper, ids, mask, sampling, stop_ids, gen, plan.stop_check_interval,
-                           _SAMPLERS[plan.sampler])
+        # The fused RMSNorm/SiTU kernels for this batch's prefill, warm-up, graph capture and steps (replays run
+        # the captured kernels).
+        with triton_elementwise(self._elementwise_kernels()):
+            stepper = self._stepper([len(r.prompt_ids) for r in batch], L + sampling.max_new_tokens)
+            res = decode_batch(stepper, ids, mask, sampling, stop_ids, gen, plan.stop_check_interval,
+                               _SAMPLERS[plan.sampler])
         return [
             Sample(
                 prompt_ids=list(r.prompt_ids),
@@ -159,6 +166,22 @@ class EmbeddedEngine:
                 return self._stepper(prompt_lens, length)
             view.reset()
         return WindowStepper(self.model, view, prompt_lens, self.tokenizer.pad_id, attention, captured)
+
+    def _elementwise_kernels(self) -> bool:
+        """Whether this batch runs RMSNorm and SiTU as the fused Triton kernels: the plan's choice, probed once
+        against the plain ops (kernels that do not build here or disagree are left, logged, for the plain ops)."""
+        if self.decode_plan.elementwise != "triton" or self._elementwise_off is not None:
+            return False
+        if not self._elementwise_probed:
+            self._elementwise_probed = True
+            embed = self.model.model.embed_tokens.weight
+            problem = probe_elementwise_kernels(self.device, embed.dtype, embed.shape[1])
+            if problem is not None:
+                self._elementwise_off = problem
+                log.warning("embedded engine: the fused RMSNorm/SiTU kernels failed their probe (%s); using the "
+                            "plain ops from now on", problem)
+                return False
+        return True
 
     def _window_attention(self, graph_rows: int) -> tuple[MLADecodeAttention, str]:
         """The window's MLA attention and its kind; flashinfer's is probed once per wrapper and left, logged, for

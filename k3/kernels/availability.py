@@ -1,4 +1,4 @@
-"""Where the expert-LoRA Triton kernels can run: a CUDA device with Triton, or the CPU under Triton's interpreter.
+"""Where k3's Triton kernels can run: a CUDA device with Triton, or the CPU under Triton's interpreter.
 
 ``TRITON_INTERPRET=1`` must be set before the kernels are imported: Triton decides when a kernel is defined
 whether it is interpreted, so the flag is read once, here, and every module of the op follows this reading.

@@ -1,0 +1,229 @@
+"""The fused RMSNorm and SiTU kernels (``k3.kernels.rms_norm``, ``k3.kernels.situ``) against their plain forms, and
+the dispatch that picks between them.
+
+Where each part runs: the dispatch's refusals everywhere (in the project's venv, without Triton, every call is the
+plain form); the kernels on the CPU under Triton's interpreter (``make test-interpret``), which computes float32 as
+the GPU does but truncates float32 -> BF16 where the GPU rounds to nearest even, so BF16 is held to one BF16 ulp
+there; and on a GPU (gpu-marked) in BF16, where the roundings are the GPU's own.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3.kernels import availability
+from k3.kernels.elementwise_mode import triton_elementwise, triton_elementwise_on, triton_serves
+from k3.kernels.rms_norm import rms_norm, rms_norm_naive, rms_norm_triton
+from k3.kernels.situ import situ, situ_naive, situ_triton
+
+RUNS_HERE = availability.triton_runs_on("cpu")  # the interpreter
+needs_interpreter = pytest.mark.skipif(not RUNS_HERE, reason="needs TRITON_INTERPRET=1 with Triton (make "
+                                       "test-interpret)")
+ULP_BF16 = 2.0**-7  # relative spacing of BF16 values in [1, 2)
+
+
+def _rows(shape: tuple[int, ...], dtype: torch.dtype, scale: float = 3.0, seed: int = 0) -> torch.Tensor:
+    return (torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
+
+
+def _within_ulps(got: torch.Tensor, want: torch.Tensor, ulp: float, ulps: float) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    g, w = got.double(), want.double()
+    bound = ulps * ulp * w.abs().clamp_min(torch.finfo(want.dtype).tiny)
+    worst = ((g - w).abs() / bound).max().item()
+    assert worst <= 1.0, f"off by {worst * ulps:.2f} ulps"
+
+
+# ------------------------------------------------------------------------------------------------ the switch
+def test_the_switch_is_off_outside_its_block_and_nests():
+    assert not triton_elementwise_on()
+    with triton_elementwise():
+        assert triton_elementwise_on()
+        with triton_elementwise(False):
+            assert not triton_elementwise_on()
+        assert triton_elementwise_on()
+    assert not triton_elementwise_on()
+
+
+def test_without_the_switch_or_with_a_gradient_the_plain_forms_serve():
+    x, w = _rows((3, 40), torch.float32), _rows((40,), torch.float32, 1.0, 1)
+    assert not triton_serves(x, w)  # switch off
+    with triton_elementwise():
+        assert triton_serves(x, w) == RUNS_HERE
+        assert not triton_serves(x.requires_grad_(), w)  # a gradient to carry: the kernels have no backward
+        with torch.no_grad():
+            assert triton_serves(x, w) == RUNS_HERE
+    x = x.detach()
+    with triton_elementwise():  # where the kernel does not run, the plain form's very bits
+        if not RUNS_HERE:
+            assert torch.equal(rms_norm(x, w, 1e-6), rms_norm_naive(x, w, 1e-6))
+            assert torch.equal(situ(x, x * 2), situ_naive(x, x * 2))
+
+
+def test_the_kernels_refuse_bad_shapes():
+    x = torch.zeros(2, 8)
+    with pytest.raises((ValueError, RuntimeError), match=r"weight \(7,\) for rows of 8|Triton is not installed"):
+        rms_norm_triton(x, torch.ones(7), 1e-6)
+    with pytest.raises((ValueError, RuntimeError), match=r"gate \(2, 8\) and up \(2, 4\)|Triton is not installed"):
+        situ_triton(x, torch.zeros(2, 4))
+
+
+# ------------------------------------------------------------------------------------------------ the interpreter
+@needs_interpreter
+@pytest.mark.parametrize("shape", [(5, 7168), (2, 3, 512), (4, 33), (1, 1)])
+def test_rms_norm_float32_is_the_reference_within_float32_ulps(shape):
+    x, w = _rows(shape, torch.float32), _rows(shape[-1:], torch.float32, 0.5, 1) + 1
+    _within_ulps(rms_norm_triton(x, w, 1e-6), rms_norm_naive(x, w, 1e-6), 2.0**-23, 4)
+
+
+@needs_interpreter
+def test_rms_norm_bf16_rounds_twice_like_the_reference_within_one_bf16_ulp():
+    x, w = _rows((6, 1536), torch.bfloat16), (_rows((1536,), torch.float32, 0.1, 1) + 1).to(torch.bfloat16)
+    got, want = rms_norm_triton(x, w, 1e-6), rms_norm_naive(x, w, 1e-6)
+    assert got.dtype == torch.bfloat16
+    _within_ulps(got, want, ULP_BF16, 2)  # the interpreter truncates each of the two casts
+    w32 = w.float()  # a float32 weight promotes the result, as torch does
+    assert rms_norm_triton(x, w32, 1e-6).dtype == rms_norm_naive(x, w32, 1e-6).dtype == torch.float32
+
+
+@needs_interpreter
+def test_rms_norm_of_a_strided_view_and_of_no_rows():
+    x = _rows((4, 96), torch.float32)[:, ::2]
+    w = _rows((48,), torch.float32, 0.5, 1) + 1
+    _within_ulps(rms_norm_triton(x, w, 1e-5), rms_norm_naive(x, w, 1e-5), 2.0**-23, 4)
+    assert rms_norm_triton(torch.zeros(0, 48), w, 1e-5).shape == (0, 48)
+
+
+@needs_interpreter
+def test_situ_float32_is_the_reference_within_float32_ulps_over_its_whole_range():
+    """Gates and ups from 0 and tiny (the tanh series) through the switch-over at |z| = 0.05 to saturation."""
+    g = torch.cat([torch.tensor([0.0, 1e-7, -1e-4, 0.199, 0.201, -0.2, 30.0, -30.0]), _rows((3000,), torch.float32,
+                                                                                              8.0)])
+    u = torch.cat([torch.tensor([1.0, -1.0, 1.24, 1.26, 1e-6, 0.0, 200.0, -200.0]), _rows((3000,), torch.float32,
+                                                                                            60.0, 1)])
+    got, want = situ_triton(g, u), situ_naive(g, u)
+    assert got[0] == 0 and got[5] == 0
+    _within_ulps(got, want, 2.0**-23, 16)
+
+
+@needs_interpreter
+def test_situ_bf16_and_other_betas_within_one_bf16_ulp():
+    g, u = _rows((7, 300), torch.bfloat16, 6.0), _rows((7, 300), torch.bfloat16, 40.0, 1)
+    _within_ulps(situ_triton(g, u, 2.0, 10.0), situ_naive(g, u, 2.0, 10.0), ULP_BF16, 1)
+    assert situ_triton(g[:0], u[:0]).shape == (0, 300)
+
+
+@needs_interpreter
+def test_inside_the_switch_the_model_s_ops_take_the_kernels():
+    """The dispatch the model calls routes to the kernels (here: interpreted on the CPU) without a gradient."""
+    x, w = _rows((3, 64), torch.float32), _rows((64,), torch.float32, 0.5, 1) + 1
+    with triton_elementwise(), torch.no_grad():
+        assert torch.equal(rms_norm(x, w, 1e-6), rms_norm_triton(x, w, 1e-6))
+        assert torch.equal(situ(x, w.expand(3, 64)), situ_triton(x, w.expand(3, 64)))
+
+
+@needs_interpreter
+def test_the_model_under_the_switch_runs_its_norms_and_situ_as_kernels_with_the_same_logits(monkeypatch):
+    """The tiny model (float32) forward under ``triton_elementwise()``: every RMSNorm and SiTU goes through the
+    kernels, and the logits are the plain model's within float32 noise."""
+    import k3.kernels.rms_norm as rms_norm_op
+    import k3.kernels.situ as situ_op
+    from k3.config import variant
+    from k3.model import KimiK3ForCausalLM
+
+    torch.manual_seed(0)
+    model = KimiK3ForCausalLM(variant("tiny").replace(quantization_config=None)).eval()
+    ids = torch.randint(1, 512, (2, 6), generator=torch.Generator().manual_seed(1))
+    calls = {"rms_norm": 0, "situ": 0}
+
+    def counted(name, fn):
+        def run(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(rms_norm_op, "rms_norm_triton", counted("rms_norm", rms_norm_op.rms_norm_triton))
+    monkeypatch.setattr(situ_op, "situ_triton", counted("situ", situ_op.situ_triton))
+    with torch.no_grad():
+        want = model(ids)
+        assert calls == {"rms_norm": 0, "situ": 0}
+        with triton_elementwise():
+            got = model(ids)
+    # every RMSNorm module runs once, but the AttnRes ones (``*_res_norm``: attn_res_mix reads their weights only)
+    norms = sum(type(m).__name__ == "RMSNorm" and not name.endswith("res_norm") for name, m in model.named_modules())
+    assert calls["rms_norm"] == norms and calls["situ"] > 0
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+# ------------------------------------------------------------------------------------------------ the probe
+def test_the_probe_names_a_kernel_that_does_not_run_or_disagrees(monkeypatch):
+    from k3.kernels import elementwise_probe
+
+    problem = elementwise_probe.probe_elementwise_kernels("cpu", torch.float32, 64)
+    if not RUNS_HERE:  # no Triton in this venv: the build failure is the reason
+        assert problem == "RuntimeError: rms_norm_triton: Triton is not installed"
+        return
+    assert problem is None
+    assert elementwise_probe.probe_elementwise_kernels("cpu", torch.bfloat16, 7168) is None
+    monkeypatch.setattr(elementwise_probe, "situ_triton", lambda g, u: situ_naive(g, u) * 1.001)
+    problem = elementwise_probe.probe_elementwise_kernels("cpu", torch.float32, 64)
+    assert problem.startswith("situ: ") and "values differ from the plain form by more than 3.8e-06 relative" in problem
+
+
+def test_an_engine_whose_kernels_fail_their_probe_decodes_with_the_plain_ops(monkeypatch, caplog):
+    """The plan asked for the kernels (as on CUDA); the probe fails once, says why, and every batch runs the plain
+    ops: the same tokens as an engine that never asked."""
+    pytest.importorskip("psutil")  # the engine's imports (the interpreter's venv has only the kernels' own)
+    import dataclasses
+    import logging
+
+    from k3.config import variant
+    from k3.kernels import elementwise_probe
+    from k3.model import KimiK3ForCausalLM
+    from k3.rollout.embedded import engine as engine_mod
+    from k3.rollout.embedded.engine import EmbeddedEngine
+    from k3.rollout.protocol import GenerateRequest, SamplingParams
+    from k3.settings.decode import DecodeSettings
+    from k3.tokenizer import ByteTokenizer
+
+    torch.manual_seed(0)
+    model = KimiK3ForCausalLM(variant("tiny").replace(quantization_config=None)).eval()
+    reqs = [GenerateRequest([5, 6, 7]), GenerateRequest([9])]
+    sampling = SamplingParams(temperature=0, max_new_tokens=4)
+    plain = EmbeddedEngine(model, ByteTokenizer(), decode=DecodeSettings(mode="window"))
+    want = [s.tokens for s in plain.generate(reqs, sampling)]
+    engine = EmbeddedEngine(model, ByteTokenizer(), decode=DecodeSettings(mode="window"))
+    engine.decode_plan = dataclasses.replace(engine.decode_plan, elementwise="triton")
+    probes = []
+    monkeypatch.setattr(engine_mod, "probe_elementwise_kernels",
+                        lambda device, dtype, dim: probes.append((str(device), dtype, dim)) or "RuntimeError: no GPU")
+    with caplog.at_level(logging.WARNING, logger=engine_mod.log.name):
+        got = [[s.tokens for s in engine.generate(reqs, sampling)] for _ in range(2)]
+    assert got == [want, want]
+    assert probes == [("cpu", torch.float32, 64)]  # once, at the model's width
+    assert engine._elementwise_off == "RuntimeError: no GPU"
+    assert "fused RMSNorm/SiTU kernels failed their probe (RuntimeError: no GPU)" in caplog.text
+    assert elementwise_probe.probe_elementwise_kernels is not None
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+@pytest.mark.gpu
+def test_on_cuda_bf16_kernels_match_the_reference_to_the_last_bit_almost_everywhere():
+    """On the GPU the casts round to nearest even as torch's do: RMSNorm differs only where the float32 sum's order
+    moves a result across a BF16 rounding boundary, SiTU only where the exp-based tanh does."""
+    if not torch.cuda.is_available() or not availability.triton_runs_on("cuda"):
+        pytest.skip("needs CUDA and Triton")
+    x = _rows((64, 7168), torch.bfloat16).cuda()
+    w = (_rows((7168,), torch.float32, 0.1, 1) + 1).to(torch.bfloat16).cuda()
+    got, want = rms_norm_triton(x, w, 1e-6), rms_norm_naive(x, w, 1e-6)
+    _within_ulps(got, want, ULP_BF16, 1)
+    assert (got != want).float().mean().item() < 0.01
+    g, u = _rows((64, 3072), torch.bfloat16, 6.0).cuda(), _rows((64, 3072), torch.bfloat16, 40.0, 1).cuda()
+    got, want = situ_triton(g, u), situ_naive(g, u)
+    _within_ulps(got, want, ULP_BF16, 1)
+    assert (got != want).float().mean().item() < 0.01
+    with triton_elementwise(), torch.no_grad():  # the model's dispatch takes them on CUDA
+        assert torch.equal(rms_norm(x, w, 1e-6), rms_norm_triton(x, w, 1e-6))
+        assert torch.equal(situ(g, u), got)
