@@ -20,13 +20,15 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from k3.model.norm import RMSNorm, rms_normalize
+from k3.kernels.attn_res_mix import attn_res_mix as mix_over_depth
+from k3.model.norm import RMSNorm
 
 __all__ = ["attn_res_mix", "AttnResBank", "attn_res_layer", "attn_res_final"]
 
 
 def attn_res_mix(candidates: Sequence[torch.Tensor], norm: RMSNorm, proj: nn.Linear) -> torch.Tensor:
-    """Softmax mix over depth.
+    """Softmax mix over depth (``k3.kernels.attn_res_mix``: its ``naive.py`` is the math; one Triton kernel in the
+    embedded engine's window-mode decode on CUDA).
 
     Args:
         candidates: n tensors ``[..., hidden]`` (stored blocks, then the live partial sum).
@@ -35,11 +37,7 @@ def attn_res_mix(candidates: Sequence[torch.Tensor], norm: RMSNorm, proj: nn.Lin
     Returns:
         ``[..., hidden]`` in the candidates' dtype.
     """
-    values = torch.stack([c.float() for c in candidates])  # [n, ..., hidden]
-    query = norm.weight.float() * proj.weight.float()[0]  # the pseudo-query [hidden]
-    scores = (rms_normalize(values, norm.eps) * query).sum(-1)  # [n, ...]
-    weights = torch.softmax(scores, dim=0).unsqueeze(-1)
-    return (weights * values).sum(0).to(candidates[-1].dtype)
+    return mix_over_depth(candidates, norm.weight, proj.weight, norm.eps)
 
 
 class AttnResBank:

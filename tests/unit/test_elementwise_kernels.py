@@ -1,5 +1,5 @@
-"""The fused RMSNorm and SiTU kernels (``k3.kernels.rms_norm``, ``k3.kernels.situ``) against their plain forms, and
-the dispatch that picks between them.
+"""The fused RMSNorm, SiTU and AttnRes-mix kernels (``k3.kernels.rms_norm``, ``k3.kernels.situ``,
+``k3.kernels.attn_res_mix``) against their plain forms, and the dispatch that picks between them.
 
 Where each part runs: the dispatch's refusals everywhere (in the project's venv, without Triton, every call is the
 plain form); the kernels on the CPU under Triton's interpreter (``make test-interpret``), which computes float32 as
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from k3.kernels import availability
+from k3.kernels.attn_res_mix import attn_res_mix, attn_res_mix_naive, attn_res_mix_triton
 from k3.kernels.elementwise_mode import triton_elementwise, triton_elementwise_on, triton_serves
 from k3.kernels.rms_norm import rms_norm, rms_norm_naive, rms_norm_triton
 from k3.kernels.situ import situ, situ_naive, situ_triton
@@ -63,6 +64,13 @@ def test_without_the_switch_or_with_a_gradient_the_plain_forms_serve():
 
 def test_the_kernels_refuse_bad_shapes():
     x = torch.zeros(2, 8)
+    missing = "Triton is not installed"
+    for candidates, nw, pw, message in (
+            ([], torch.ones(8), torch.ones(1, 8), "no candidates to mix"),
+            ([x, torch.zeros(2, 4)], torch.ones(8), torch.ones(1, 8), r"expected one shape on one device"),
+            ([x], torch.ones(8), torch.ones(8), r"expected \(8,\) and \(1, 8\)")):
+        with pytest.raises((ValueError, RuntimeError), match=f"{message}|{missing}"):
+            attn_res_mix_triton(candidates, nw, pw, 1e-6)
     with pytest.raises((ValueError, RuntimeError), match=r"weight \(7,\) for rows of 8|Triton is not installed"):
         rms_norm_triton(x, torch.ones(7), 1e-6)
     with pytest.raises((ValueError, RuntimeError), match=r"gate \(2, 8\) and up \(2, 4\)|Triton is not installed"):
@@ -114,6 +122,40 @@ def test_situ_bf16_and_other_betas_within_one_bf16_ulp():
     assert situ_triton(g[:0], u[:0]).shape == (0, 300)
 
 
+def _scaled_error(got: torch.Tensor, want: torch.Tensor, candidates: list[torch.Tensor]) -> float:
+    """The largest difference in units of the largest candidate value: a weighted sum can cancel to near zero."""
+    scale = max(c.abs().max().item() for c in candidates)
+    return (got.double() - want.double()).abs().max().item() / scale
+
+
+@needs_interpreter
+@pytest.mark.parametrize("n, shape", [(1, (4, 64)), (2, (3, 5, 512)), (3, (2, 7168)), (7, (6, 33))])
+def test_attn_res_mix_float32_is_the_reference_within_float32_rounding(n, shape):
+    """One to seven candidates (K3's bank holds up to six stored blocks and the partial sum), of growing size so the
+    softmax is not uniform; the online softmax folds them in one pass."""
+    g = torch.Generator().manual_seed(n)
+    candidates = [torch.randn(shape, generator=g) * (1 + i) for i in range(n)]
+    nw = 1 + 0.1 * torch.randn(shape[-1], generator=g)
+    pw = 0.05 * torch.randn(1, shape[-1], generator=g)
+    got, want = attn_res_mix_triton(candidates, nw, pw, 1e-6), attn_res_mix_naive(candidates, nw, pw, 1e-6)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert _scaled_error(got, want, candidates) <= 8 * 2.0**-23
+    if n == 1:
+        assert torch.equal(got, candidates[0])  # one candidate: weight 1 exactly
+
+
+@needs_interpreter
+def test_attn_res_mix_bf16_within_one_bf16_ulp_of_the_largest_value():
+    g = torch.Generator().manual_seed(9)
+    candidates = [(torch.randn(4, 1536, generator=g) * (1 + i)).to(torch.bfloat16) for i in range(3)]
+    nw = (1 + 0.1 * torch.randn(1536, generator=g)).to(torch.bfloat16)
+    pw = (0.05 * torch.randn(1, 1536, generator=g)).to(torch.bfloat16)
+    got, want = attn_res_mix_triton(candidates, nw, pw, 1e-6), attn_res_mix_naive(candidates, nw, pw, 1e-6)
+    assert got.dtype == torch.bfloat16
+    assert _scaled_error(got, want, candidates) <= ULP_BF16
+    assert attn_res_mix_triton([c[:0] for c in candidates], nw, pw, 1e-6).shape == (0, 1536)
+
+
 @needs_interpreter
 def test_inside_the_switch_the_model_s_ops_take_the_kernels():
     """The dispatch the model calls routes to the kernels (here: interpreted on the CPU) without a gradient."""
@@ -121,12 +163,14 @@ def test_inside_the_switch_the_model_s_ops_take_the_kernels():
     with triton_elementwise(), torch.no_grad():
         assert torch.equal(rms_norm(x, w, 1e-6), rms_norm_triton(x, w, 1e-6))
         assert torch.equal(situ(x, w.expand(3, 64)), situ_triton(x, w.expand(3, 64)))
+        assert torch.equal(attn_res_mix([x, x * 2], w, w[None], 1e-6), attn_res_mix_triton([x, x * 2], w, w[None], 1e-6))
 
 
 @needs_interpreter
 def test_the_model_under_the_switch_runs_its_norms_and_situ_as_kernels_with_the_same_logits(monkeypatch):
-    """The tiny model (float32) forward under ``triton_elementwise()``: every RMSNorm and SiTU goes through the
-    kernels, and the logits are the plain model's within float32 noise."""
+    """The tiny model (float32) forward under ``triton_elementwise()``: every RMSNorm, SiTU and AttnRes mix goes
+    through the kernels, and the logits are the plain model's within float32 noise."""
+    import k3.kernels.attn_res_mix as attn_res_mix_op
     import k3.kernels.rms_norm as rms_norm_op
     import k3.kernels.situ as situ_op
     from k3.config import variant
@@ -135,7 +179,7 @@ def test_the_model_under_the_switch_runs_its_norms_and_situ_as_kernels_with_the_
     torch.manual_seed(0)
     model = KimiK3ForCausalLM(variant("tiny").replace(quantization_config=None)).eval()
     ids = torch.randint(1, 512, (2, 6), generator=torch.Generator().manual_seed(1))
-    calls = {"rms_norm": 0, "situ": 0}
+    calls = {"rms_norm": 0, "situ": 0, "attn_res_mix": 0}
 
     def counted(name, fn):
         def run(*args, **kwargs):
@@ -145,14 +189,17 @@ def test_the_model_under_the_switch_runs_its_norms_and_situ_as_kernels_with_the_
 
     monkeypatch.setattr(rms_norm_op, "rms_norm_triton", counted("rms_norm", rms_norm_op.rms_norm_triton))
     monkeypatch.setattr(situ_op, "situ_triton", counted("situ", situ_op.situ_triton))
+    monkeypatch.setattr(attn_res_mix_op, "attn_res_mix_triton", counted("attn_res_mix",
+                                                                        attn_res_mix_op.attn_res_mix_triton))
     with torch.no_grad():
         want = model(ids)
-        assert calls == {"rms_norm": 0, "situ": 0}
+        assert calls == {"rms_norm": 0, "situ": 0, "attn_res_mix": 0}
         with triton_elementwise():
             got = model(ids)
     # every RMSNorm module runs once, but the AttnRes ones (``*_res_norm``: attn_res_mix reads their weights only)
     norms = sum(type(m).__name__ == "RMSNorm" and not name.endswith("res_norm") for name, m in model.named_modules())
     assert calls["rms_norm"] == norms and calls["situ"] > 0
+    assert calls["attn_res_mix"] == 2 * len(model.model.layers)  # two per layer but the first's, and the final
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-5)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
@@ -227,3 +274,7 @@ def test_on_cuda_bf16_kernels_match_the_reference_to_the_last_bit_almost_everywh
     with triton_elementwise(), torch.no_grad():  # the model's dispatch takes them on CUDA
         assert torch.equal(rms_norm(x, w, 1e-6), rms_norm_triton(x, w, 1e-6))
         assert torch.equal(situ(g, u), got)
+    blocks = [_rows((64, 7168), torch.bfloat16, 1.0 + i, 2 + i).cuda() for i in range(3)]
+    pw = (_rows((1, 7168), torch.float32, 0.05, 5)).to(torch.bfloat16).cuda()
+    got, want = attn_res_mix_triton(blocks, w, pw, 1e-6), attn_res_mix_naive(blocks, w, pw, 1e-6)
+    assert _scaled_error(got, want, blocks) <= ULP_BF16
