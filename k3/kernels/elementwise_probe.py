@@ -1,5 +1,5 @@
-"""One check, before the fused RMSNorm, SiTU and AttnRes-mix kernels serve a caller on a device: do they build there, and do they
-agree with their plain forms on a few rows?
+"""One check, before the fused RMSNorm, SiTU and AttnRes-mix kernels serve a caller on a device: do they build
+there, and do they agree with their plain forms on a few rows?
 
 The embedded engine runs it once before its first fused decode; a kernel that fails to compile (a Triton that
 cannot build for this GPU) or disagrees is left for the plain ops, with the reason said, instead of stopping the
@@ -28,7 +28,8 @@ def _disagreement(name: str, got: torch.Tensor, want: torch.Tensor, scale: float
     if bad.any():
         i = int(bad.flatten().nonzero()[0])
         return (f"{name}: {int(bad.sum())} of {bad.numel()} values differ from the plain form by more than "
-                f"{rtol:.2g} relative (+ {atol:.2g}) (e.g. {got.flatten()[i].item()!r} vs {want.flatten()[i].item()!r})")
+                f"{rtol:.2g} relative (+ {atol:.2g}) (e.g. {got.flatten()[i].item()!r} vs "
+                f"{want.flatten()[i].item()!r})")
     return None
 
 

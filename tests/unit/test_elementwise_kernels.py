@@ -163,7 +163,8 @@ def test_inside_the_switch_the_model_s_ops_take_the_kernels():
     with triton_elementwise(), torch.no_grad():
         assert torch.equal(rms_norm(x, w, 1e-6), rms_norm_triton(x, w, 1e-6))
         assert torch.equal(situ(x, w.expand(3, 64)), situ_triton(x, w.expand(3, 64)))
-        assert torch.equal(attn_res_mix([x, x * 2], w, w[None], 1e-6), attn_res_mix_triton([x, x * 2], w, w[None], 1e-6))
+        pair = [x, x * 2]
+        assert torch.equal(attn_res_mix(pair, w, w[None], 1e-6), attn_res_mix_triton(pair, w, w[None], 1e-6))
 
 
 @needs_interpreter
@@ -251,7 +252,7 @@ def test_an_engine_whose_kernels_fail_their_probe_decodes_with_the_plain_ops(mon
     assert got == [want, want]
     assert probes == [("cpu", torch.float32, 64)]  # once, at the model's width
     assert engine._elementwise_off == "RuntimeError: no GPU"
-    assert "fused RMSNorm/SiTU kernels failed their probe (RuntimeError: no GPU)" in caplog.text
+    assert "fused RMSNorm/SiTU/mix kernels failed their probe (RuntimeError: no GPU)" in caplog.text
     assert elementwise_probe.probe_elementwise_kernels is not None
 
 

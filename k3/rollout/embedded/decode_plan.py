@@ -1,8 +1,8 @@
 """How the embedded engine decodes on its device: ``DecodeSettings`` resolved against the device and the model.
 
 ``auto`` picks the fastest path that runs here (CUDA: CUDA graphs over the static cache, flashinfer's MLA kernel and
-sampler where flashinfer imports and the model is BF16/FP16, RMSNorm and SiTU as one Triton kernel each where Triton
-imports; elsewhere: the static cache at host positions). An
+sampler where flashinfer imports and the model is BF16/FP16, RMSNorm, SiTU and the AttnRes mix as one Triton kernel
+each where Triton imports; elsewhere: the static cache at host positions). An
 explicit choice that cannot run here is refused with the reason; what ``auto`` left out is said in the plan's notes.
 """
 
@@ -28,8 +28,8 @@ _FLASHINFER_DTYPES = (torch.bfloat16, torch.float16)
 class DecodePlan:
     """The resolved decode: ``mode`` (eager | static | window | graph), ``mla_kernel`` (torch | flashinfer; the
     window modes' MLA attention), ``sampler`` (torch | flashinfer), the stop-check interval, the graph buckets,
-    ``elementwise`` (torch | triton: the window modes' RMSNorm and SiTU), and ``notes``: why ``auto`` did not take
-    something."""
+    ``elementwise`` (torch | triton: the window modes' RMSNorm, SiTU and AttnRes mix), and ``notes``: why ``auto``
+    did not take something."""
 
     mode: str
     mla_kernel: str
@@ -44,7 +44,7 @@ class DecodePlan:
         return next((n for n in self.graph_batch_sizes if n >= batch), batch)
 
     def describe(self) -> str:
-        kernel = (f", MLA attention {self.mla_kernel}, RMSNorm/SiTU {self.elementwise}" if self.mode in WINDOW_MODES
+        kernel = (f", MLA attention {self.mla_kernel}, RMSNorm/SiTU/mix {self.elementwise}" if self.mode in WINDOW_MODES
                   else "")
         notes = f" ({'; '.join(self.notes)})" if self.notes else ""
         return (f"decode mode {self.mode}{kernel}, sampler {self.sampler}, stop check every "
@@ -120,7 +120,7 @@ def resolve_decode(settings: DecodeSettings, device: torch.device, model: KimiK3
     elif elementwise == "auto":
         elementwise = "triton" if mode in WINDOW_MODES and triton_here else "torch"
         if mode in WINDOW_MODES and cuda and not triton_here:
-            notes.append("RMSNorm/SiTU torch: Triton does not import")
+            notes.append("RMSNorm/SiTU/mix torch: Triton does not import")
 
     sampler = settings.sampler
     if sampler == "flashinfer" and fi_missing is not None:
