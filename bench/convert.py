@@ -33,6 +33,9 @@ import psutil
 from k3.checkpoint.synth import write_synthetic_checkpoint
 from k3.config import variant
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from folder_io import dir_bytes, read_through  # noqa: E402  (bench/folder_io.py: run as `python bench/convert.py`)
+
 
 def bench_config(num_experts: int):
     # Full width, one MLA + MoE layer (first_k_dense_replace 0), small vocabulary: experts dominate the bytes.
@@ -40,18 +43,6 @@ def bench_config(num_experts: int):
         num_hidden_layers=1, first_k_dense_replace=0, vocab_size=16384, num_experts=num_experts,
         linear_attn_config={"kda_layers": [], "full_attn_layers": [1]},
     )
-
-
-def dir_bytes(d: Path) -> int:
-    return sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
-
-
-def warm(d: Path) -> None:
-    for p in sorted(d.rglob("*")):
-        if p.is_file():
-            with open(p, "rb") as f:
-                while f.read(64 << 20):
-                    pass
 
 
 def children_cpu() -> float:
@@ -111,7 +102,7 @@ def main() -> None:
         for _ in range(args.repeats):
             shutil.rmtree(out, ignore_errors=True)
             subprocess.run(["sync"], check=True)
-            warm(src)
+            read_through(src)
             best = min(best, timed(k3 + ["--save-dir", str(out), "--workers", str(workers)]))
         return best
 
@@ -121,7 +112,7 @@ def main() -> None:
             dst = work / "cp"
             shutil.rmtree(dst, ignore_errors=True)
             subprocess.run(["sync"], check=True)
-            warm(src)
+            read_through(src)
             best = min(best, timed(f"cp -r '{what}' '{dst}' && sync", shell=True))
             shutil.rmtree(dst)
         return best

@@ -28,23 +28,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from measure import report  # noqa: E402  (bench/measure.py: run as `python bench/hf_to_dist.py`)
+from folder_io import dir_bytes, read_through  # noqa: E402  (bench/folder_io.py, bench/measure.py: run as
+from measure import report  # noqa: E402                  `python bench/hf_to_dist.py`)
 
 ROOT = Path(__file__).resolve().parents[1]
 _CONVERT_SECONDS = re.compile(r"wrote \S+ \(TP=1, EP=1, PP=1\) in ([0-9.]+) s")
-
-
-def dir_bytes(d: Path) -> int:
-    return sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
-
-
-def read_through(d: Path) -> None:
-    """Read every file of ``d`` once (into the page cache)."""
-    for p in sorted(d.rglob("*")):
-        if p.is_file():
-            with open(p, "rb") as f:
-                while f.read(64 << 20):
-                    pass
 
 
 def _env() -> dict[str, str]:
