@@ -11,8 +11,8 @@ prompt and decodes greedily, never stopping (the tokenizer's eos is outside the 
 
 Paths (``DecodeSettings``): ``eager`` (the grown reference cache, a checked forward per step), ``static`` (the
 preallocated cache at host positions), ``window`` (its device position, absorbed MLA in torch, no graph), ``graph``
-(window + CUDA graphs, torch MLA attention and sampler), ``fused`` (graph with RMSNorm, SiTU and the AttnRes mix as
-one Triton kernel each), ``flashinfer`` (graph + flashinfer's MLA kernel and sampler), ``auto`` (what the engine
+(window + CUDA graphs, torch MLA attention and sampler), ``fused`` (graph with RMSNorm, SiTU, the AttnRes mix and
+KDA's head norms as one Triton kernel each), ``flashinfer`` (graph + flashinfer's MLA kernel and sampler), ``auto`` (what the engine
 takes by default here). A path that cannot run here is reported with the reason.
 
 Decode ms/step is ``(t(n₂) − t(n₁)) / (n₂ − n₁)`` over two ``generate`` calls of n₁ = 4 and n₂ = 4 + ``--steps`` new

@@ -1,5 +1,5 @@
-"""Whether the fused Triton forms of the model's small ops (``k3.kernels.rms_norm``, ``k3.kernels.situ``,
-``k3.kernels.attn_res_mix``) are wanted: off unless a caller turns them on for a block of code.
+"""Whether the fused Triton forms of the model's small ops (``k3.kernels.rms_norm``, ``situ``, ``attn_res_mix``,
+``head_norms``) are wanted: off unless a caller turns them on for a block of code.
 
 The model always calls the ops' dispatch; the dispatch takes the Triton kernel only inside ``triton_elementwise()``,
 for tensors the kernels run on (CUDA with Triton; the CPU under Triton's interpreter, which is how the CPU tests

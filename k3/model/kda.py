@@ -18,6 +18,7 @@ from torch import nn
 
 from k3.config import K3Config
 from k3.kernels.kda.fla import kda_core
+from k3.kernels.head_norms import l2_norm
 from k3.kernels.kda.gate import kda_gate
 from k3.model.cache import KDALayerState
 from k3.model.norm import GatedRMSNorm
@@ -29,9 +30,9 @@ L2_NORM_EPS = 1e-6
 
 
 def l2_normalize(x: torch.Tensor, eps: float = L2_NORM_EPS) -> torch.Tensor:
-    """``x / sqrt(Σx² + eps)`` over the last dim, float32 (fla's l2norm: eps inside the root)."""
-    x = x.float()
-    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+    """``x / sqrt(Σx² + eps)`` over the last dim, float32 (fla's l2norm: eps inside the root;
+    ``k3.kernels.head_norms``: its ``naive.py`` is the math, one Triton kernel in the engine's window-mode decode)."""
+    return l2_norm(x, eps)
 
 
 class CausalConv1d(KeepsFloat32):

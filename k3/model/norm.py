@@ -1,7 +1,8 @@
 """RMSNorm as the K3 reference computes it, and the gated RMSNorm on KDA's output.
 
-``RMSNorm`` runs ``k3.kernels.rms_norm.rms_norm``: its plain form (``naive.py``, the math below) everywhere but in
-the embedded engine's window-mode decode on CUDA, which asks for the same math in one Triton kernel.
+Both run their op in ``k3.kernels`` (``rms_norm``, ``head_norms.gated_rms_norm``): the plain form (its ``naive.py``
+is the math) everywhere but in the embedded engine's window-mode decode on CUDA, which asks for the same math in one
+Triton kernel.
 """
 
 from __future__ import annotations
@@ -9,16 +10,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from k3.kernels.head_norms import gated_rms_norm
 from k3.kernels.rms_norm import rms_norm
 from k3.model.precision import KeepsFloat32
 
-__all__ = ["RMSNorm", "GatedRMSNorm", "rms_normalize"]
-
-
-def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x · rsqrt(mean(x²) + eps)`` over the last dim, in float32 (returns float32)."""
-    x = x.float()
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+__all__ = ["RMSNorm", "GatedRMSNorm"]
 
 
 class RMSNorm(nn.Module):
@@ -30,7 +26,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [..., dim]`` -> ``[..., dim]`` in x's dtype: ``weight · cast(rms_normalize(x))``."""
+        """``x [..., dim]`` -> ``[..., dim]`` in x's dtype: ``weight · cast(x · rsqrt(mean(x²) + eps))``."""
         return rms_norm(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:
@@ -48,9 +44,8 @@ class GatedRMSNorm(KeepsFloat32):
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        """``x, gate [..., dim]`` -> ``[..., dim]`` in ``out_dtype``."""
-        y = rms_normalize(x, self.eps) * self.weight.float() * torch.sigmoid(gate.float())
-        return y.to(out_dtype)
+        """``x, gate [..., dim]`` -> ``[..., dim]`` in ``out_dtype`` (``k3.kernels.head_norms.gated_rms_norm``)."""
+        return gated_rms_norm(x, gate, self.weight, self.eps, out_dtype)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

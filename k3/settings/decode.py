@@ -19,8 +19,9 @@ DECODE_MODES = ("auto", "eager", "static", "window", "graph")
 # The window modes' MLA attention: torch (k3.kernels.mla_decode.naive) or flashinfer's paged MLA kernel; auto:
 # flashinfer where it imports on CUDA with a BF16/FP16 model, else torch.
 MLA_KERNELS = ("auto", "torch", "flashinfer")
-# The window modes' RMSNorm, SiTU and AttnRes mix: torch (the model's plain ops, several kernels each) or one Triton
-# kernel each (k3.kernels.rms_norm, .situ, .attn_res_mix); auto: triton where it runs (CUDA with Triton), else torch.
+# The window modes' small ops (RMSNorm, SiTU, the AttnRes mix, KDA's head norms): torch (the model's plain ops, several
+# kernels each) or one Triton kernel each (k3.kernels.rms_norm, .situ, .attn_res_mix, .head_norms); auto: triton
+# where it runs (CUDA with Triton), else torch.
 ELEMENTWISE_KERNELS = ("auto", "torch", "triton")
 # Token sampling: torch (k3.rollout.embedded.sampling.sample_next) or flashinfer's top-p kernel (greedy stays argmax);
 # auto: flashinfer where it imports on CUDA, else torch.

@@ -1,5 +1,5 @@
-"""The fused RMSNorm, SiTU and AttnRes-mix kernels (``k3.kernels.rms_norm``, ``k3.kernels.situ``,
-``k3.kernels.attn_res_mix``) against their plain forms, and the dispatch that picks between them.
+"""The fused kernels of the model's small ops (``k3.kernels.rms_norm``, ``situ``, ``attn_res_mix``, ``head_norms``)
+against their plain forms, and the dispatch that picks between them.
 
 Where each part runs: the dispatch's refusals everywhere (in the project's venv, without Triton, every call is the
 plain form); the kernels on the CPU under Triton's interpreter (``make test-interpret``), which computes float32 as
@@ -15,6 +15,8 @@ import torch
 from k3.kernels import availability
 from k3.kernels.attn_res_mix import attn_res_mix, attn_res_mix_naive, attn_res_mix_triton
 from k3.kernels.elementwise_mode import triton_elementwise, triton_elementwise_on, triton_serves
+from k3.kernels.head_norms import (gated_rms_norm, gated_rms_norm_naive, gated_rms_norm_triton, l2_norm, l2_norm_naive,
+                                   l2_norm_triton)
 from k3.kernels.rms_norm import rms_norm, rms_norm_naive, rms_norm_triton
 from k3.kernels.situ import situ, situ_naive, situ_triton
 
@@ -71,6 +73,10 @@ def test_the_kernels_refuse_bad_shapes():
             ([x], torch.ones(8), torch.ones(8), r"expected \(8,\) and \(1, 8\)")):
         with pytest.raises((ValueError, RuntimeError), match=f"{message}|{missing}"):
             attn_res_mix_triton(candidates, nw, pw, 1e-6)
+    with pytest.raises((ValueError, RuntimeError), match=rf"expected one shape and a weight of \(8,\)|{missing}"):
+        gated_rms_norm_triton(x, x[:, :4], torch.ones(8), 1e-6, torch.float32)
+    with pytest.raises((ValueError, RuntimeError), match=rf"rows of 2048 > 1024|{missing}"):
+        l2_norm_triton(torch.zeros(2, 2048), 1e-6)
     with pytest.raises((ValueError, RuntimeError), match=r"weight \(7,\) for rows of 8|Triton is not installed"):
         rms_norm_triton(x, torch.ones(7), 1e-6)
     with pytest.raises((ValueError, RuntimeError), match=r"gate \(2, 8\) and up \(2, 4\)|Triton is not installed"):
@@ -157,6 +163,30 @@ def test_attn_res_mix_bf16_within_one_bf16_ulp_of_the_largest_value():
 
 
 @needs_interpreter
+@pytest.mark.parametrize("shape", [(5, 96, 128), (3, 33), (40, 7)])
+def test_head_norms_float32_are_the_reference_within_float32_ulps(shape):
+    """Rows of a KDA head (128), odd ones, and more rows than a program's tile (16) with a partial last tile."""
+    x, gate = _rows(shape, torch.float32, 2.0), _rows(shape, torch.float32, 3.0, 1)
+    w = _rows(shape[-1:], torch.float32, 0.1, 2) + 1
+    _within_ulps(l2_norm_triton(x, 1e-6), l2_norm_naive(x, 1e-6), 2.0**-23, 4)
+    _within_ulps(gated_rms_norm_triton(x, gate, w, 1e-6, torch.float32),
+                 gated_rms_norm_naive(x, gate, w, 1e-6, torch.float32), 2.0**-23, 8)
+
+
+@needs_interpreter
+def test_head_norms_bf16_in_and_out():
+    """bf16 inputs: the L2 norm's output stays float32 (as the model's), the gated norm casts to the asked dtype."""
+    x, gate = _rows((4, 96, 128), torch.bfloat16, 2.0), _rows((4, 96, 128), torch.bfloat16, 3.0, 1)
+    w = _rows((128,), torch.float32, 0.1, 2) + 1  # the model keeps o_norm's weight float32
+    got = l2_norm_triton(x, 1e-6)
+    assert got.dtype == torch.float32
+    _within_ulps(got, l2_norm_naive(x, 1e-6), 2.0**-23, 4)
+    _within_ulps(gated_rms_norm_triton(x, gate, w, 1e-6, torch.bfloat16),
+                 gated_rms_norm_naive(x, gate, w, 1e-6, torch.bfloat16), ULP_BF16, 1)
+    assert gated_rms_norm_triton(x[:0], gate[:0], w, 1e-6, torch.bfloat16).shape == (0, 96, 128)
+
+
+@needs_interpreter
 def test_inside_the_switch_the_model_s_ops_take_the_kernels():
     """The dispatch the model calls routes to the kernels (here: interpreted on the CPU) without a gradient."""
     x, w = _rows((3, 64), torch.float32), _rows((64,), torch.float32, 0.5, 1) + 1
@@ -165,13 +195,17 @@ def test_inside_the_switch_the_model_s_ops_take_the_kernels():
         assert torch.equal(situ(x, w.expand(3, 64)), situ_triton(x, w.expand(3, 64)))
         pair = [x, x * 2]
         assert torch.equal(attn_res_mix(pair, w, w[None], 1e-6), attn_res_mix_triton(pair, w, w[None], 1e-6))
+        assert torch.equal(l2_norm(x, 1e-6), l2_norm_triton(x, 1e-6))
+        assert torch.equal(gated_rms_norm(x, x * 2, w, 1e-6, torch.float32),
+                           gated_rms_norm_triton(x, x * 2, w, 1e-6, torch.float32))
 
 
 @needs_interpreter
 def test_the_model_under_the_switch_runs_its_norms_and_situ_as_kernels_with_the_same_logits(monkeypatch):
-    """The tiny model (float32) forward under ``triton_elementwise()``: every RMSNorm, SiTU and AttnRes mix goes
-    through the kernels, and the logits are the plain model's within float32 noise."""
+    """The tiny model (float32) forward under ``triton_elementwise()``: every RMSNorm, SiTU, AttnRes mix and KDA head
+    norm goes through the kernels, and the logits are the plain model's within float32 noise."""
     import k3.kernels.attn_res_mix as attn_res_mix_op
+    import k3.kernels.head_norms as head_norms_op
     import k3.kernels.rms_norm as rms_norm_op
     import k3.kernels.situ as situ_op
     from k3.config import variant
@@ -180,7 +214,7 @@ def test_the_model_under_the_switch_runs_its_norms_and_situ_as_kernels_with_the_
     torch.manual_seed(0)
     model = KimiK3ForCausalLM(variant("tiny").replace(quantization_config=None)).eval()
     ids = torch.randint(1, 512, (2, 6), generator=torch.Generator().manual_seed(1))
-    calls = {"rms_norm": 0, "situ": 0, "attn_res_mix": 0}
+    calls = {"rms_norm": 0, "situ": 0, "attn_res_mix": 0, "l2_norm": 0, "gated_rms_norm": 0}
 
     def counted(name, fn):
         def run(*args, **kwargs):
@@ -192,15 +226,19 @@ def test_the_model_under_the_switch_runs_its_norms_and_situ_as_kernels_with_the_
     monkeypatch.setattr(situ_op, "situ_triton", counted("situ", situ_op.situ_triton))
     monkeypatch.setattr(attn_res_mix_op, "attn_res_mix_triton", counted("attn_res_mix",
                                                                         attn_res_mix_op.attn_res_mix_triton))
+    for name in ("l2_norm", "gated_rms_norm"):
+        monkeypatch.setattr(head_norms_op, f"{name}_triton", counted(name, getattr(head_norms_op, f"{name}_triton")))
     with torch.no_grad():
         want = model(ids)
-        assert calls == {"rms_norm": 0, "situ": 0, "attn_res_mix": 0}
+        assert set(calls.values()) == {0}
         with triton_elementwise():
             got = model(ids)
     # every RMSNorm module runs once, but the AttnRes ones (``*_res_norm``: attn_res_mix reads their weights only)
     norms = sum(type(m).__name__ == "RMSNorm" and not name.endswith("res_norm") for name, m in model.named_modules())
     assert calls["rms_norm"] == norms and calls["situ"] > 0
     assert calls["attn_res_mix"] == 2 * len(model.model.layers)  # two per layer but the first's, and the final
+    kda_layers = len(model.config.linear_attn_config.kda_layers)
+    assert (calls["l2_norm"], calls["gated_rms_norm"]) == (2 * kda_layers, kda_layers)  # q and k; the output
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-5)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
@@ -252,7 +290,7 @@ def test_an_engine_whose_kernels_fail_their_probe_decodes_with_the_plain_ops(mon
     assert got == [want, want]
     assert probes == [("cpu", torch.float32, 64)]  # once, at the model's width
     assert engine._elementwise_off == "RuntimeError: no GPU"
-    assert "fused RMSNorm/SiTU/mix kernels failed their probe (RuntimeError: no GPU)" in caplog.text
+    assert "fused small-op kernels failed their probe (RuntimeError: no GPU)" in caplog.text
     assert elementwise_probe.probe_elementwise_kernels is not None
 
 
@@ -279,3 +317,10 @@ def test_on_cuda_bf16_kernels_match_the_reference_to_the_last_bit_almost_everywh
     pw = (_rows((1, 7168), torch.float32, 0.05, 5)).to(torch.bfloat16).cuda()
     got, want = attn_res_mix_triton(blocks, w, pw, 1e-6), attn_res_mix_naive(blocks, w, pw, 1e-6)
     assert _scaled_error(got, want, blocks) <= ULP_BF16
+    heads, head_gates = x.view(64, 56, 128), _rows((64, 56, 128), torch.bfloat16, 3.0, 6).cuda()
+    hw = (_rows((128,), torch.float32, 0.1, 7) + 1).cuda()
+    _within_ulps(l2_norm_triton(heads, 1e-6), l2_norm_naive(heads, 1e-6), 2.0**-23, 4)
+    got = gated_rms_norm_triton(heads, head_gates, hw, 1e-6, torch.bfloat16)
+    want = gated_rms_norm_naive(heads, head_gates, hw, 1e-6, torch.bfloat16)
+    _within_ulps(got, want, ULP_BF16, 1)
+    assert (got != want).float().mean().item() < 0.01

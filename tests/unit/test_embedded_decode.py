@@ -357,7 +357,7 @@ def test_rmsnorm_and_situ_kernels_are_resolved_for_the_window_modes(monkeypatch)
     monkeypatch.setattr(decode_plan, "triton_runs_on", lambda device: torch.device(device).type == "cuda")
     plan = resolve_decode(DecodeSettings(), cuda, model)
     assert (plan.mode, plan.elementwise) == ("graph", "triton")
-    assert "RMSNorm/SiTU/mix triton" in plan.describe()
+    assert "small ops triton" in plan.describe()
     assert resolve_decode(DecodeSettings(mode="window", elementwise="torch"), cuda, model).elementwise == "torch"
     assert resolve_decode(DecodeSettings(mode="static"), cuda, model).elementwise == "torch"
     assert resolve_decode(DecodeSettings(), cpu, model).elementwise == "torch"
@@ -370,7 +370,7 @@ def test_rmsnorm_and_situ_kernels_are_resolved_for_the_window_modes(monkeypatch)
         resolve_decode(DecodeSettings(mode="window", elementwise="triton"), cpu, model)
     monkeypatch.setattr(decode_plan, "triton_runs_on", lambda device: False)  # CUDA without Triton
     plan = resolve_decode(DecodeSettings(), cuda, model)
-    assert plan.elementwise == "torch" and "RMSNorm/SiTU/mix torch: Triton does not import" in plan.notes
+    assert plan.elementwise == "torch" and "small ops torch: Triton does not import" in plan.notes
     with pytest.raises(ValueError, match="and Triton does not import$"):
         resolve_decode(DecodeSettings(elementwise="triton"), cuda, model)
     with pytest.raises(ValueError, match=r"DecodeSettings.elementwise='fused': expected one of auto, torch, triton"):

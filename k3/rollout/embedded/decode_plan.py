@@ -44,7 +44,7 @@ class DecodePlan:
         return next((n for n in self.graph_batch_sizes if n >= batch), batch)
 
     def describe(self) -> str:
-        kernel = (f", MLA attention {self.mla_kernel}, RMSNorm/SiTU/mix {self.elementwise}" if self.mode in WINDOW_MODES
+        kernel = (f", MLA attention {self.mla_kernel}, small ops {self.elementwise}" if self.mode in WINDOW_MODES
                   else "")
         notes = f" ({'; '.join(self.notes)})" if self.notes else ""
         return (f"decode mode {self.mode}{kernel}, sampler {self.sampler}, stop check every "
@@ -120,7 +120,7 @@ def resolve_decode(settings: DecodeSettings, device: torch.device, model: KimiK3
     elif elementwise == "auto":
         elementwise = "triton" if mode in WINDOW_MODES and triton_here else "torch"
         if mode in WINDOW_MODES and cuda and not triton_here:
-            notes.append("RMSNorm/SiTU/mix torch: Triton does not import")
+            notes.append("small ops torch: Triton does not import")
 
     sampler = settings.sampler
     if sampler == "flashinfer" and fi_missing is not None:

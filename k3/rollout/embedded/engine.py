@@ -85,7 +85,7 @@ class EmbeddedEngine:
         self._memory = DecodeMemory(self.model, self.device)
         self._graph_off: str | None = None  # why CUDA graphs stopped being used (a capture failed)
         self._flashinfer_off: str | None = None  # why flashinfer's MLA attention stopped being used
-        self._elementwise_off: str | None = None  # why the fused RMSNorm/SiTU/mix kernels were left (their probe)
+        self._elementwise_off: str | None = None  # why the fused small-op kernels were left (their probe)
         self._elementwise_probed = False
 
     # ------------------------------------------------------------------ generation
@@ -123,7 +123,7 @@ class EmbeddedEngine:
             mask[b, L - n :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         plan = self.decode_plan
-        # The fused RMSNorm/SiTU/mix kernels for this batch's prefill, warm-up, graph capture and steps (replays run
+        # The fused small-op kernels for this batch's prefill, warm-up, graph capture and steps (replays run
         # the captured kernels).
         with triton_elementwise(self._elementwise_kernels()):
             stepper = self._stepper([len(r.prompt_ids) for r in batch], L + sampling.max_new_tokens)
@@ -178,7 +178,7 @@ class EmbeddedEngine:
             problem = probe_elementwise_kernels(self.device, embed.dtype, embed.shape[1])
             if problem is not None:
                 self._elementwise_off = problem
-                log.warning("embedded engine: the fused RMSNorm/SiTU/mix kernels failed their probe (%s); using the "
+                log.warning("embedded engine: the fused small-op kernels failed their probe (%s); using the "
                             "plain ops from now on", problem)
                 return False
         return True
