@@ -1,9 +1,9 @@
 """How the embedded engine decodes on its device: ``DecodeSettings`` resolved against the device and the model.
 
 ``auto`` picks the fastest path that runs here (CUDA: CUDA graphs over the static cache, flashinfer's MLA kernel and
-sampler where flashinfer imports and the model is BF16/FP16, RMSNorm, SiTU and the AttnRes mix as one Triton kernel
-each where Triton imports; elsewhere: the static cache at host positions). An
-explicit choice that cannot run here is refused with the reason; what ``auto`` left out is said in the plan's notes.
+sampler where flashinfer imports and the model is BF16/FP16, the model's small ops as one Triton kernel each where
+Triton imports; elsewhere: the static cache at host positions). An explicit choice that cannot run here is refused
+with the reason; what ``auto`` left out is said in the plan's notes.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ _FLASHINFER_DTYPES = (torch.bfloat16, torch.float16)
 class DecodePlan:
     """The resolved decode: ``mode`` (eager | static | window | graph), ``mla_kernel`` (torch | flashinfer; the
     window modes' MLA attention), ``sampler`` (torch | flashinfer), the stop-check interval, the graph buckets,
-    ``elementwise`` (torch | triton: the window modes' RMSNorm, SiTU and AttnRes mix), and ``notes``: why ``auto``
-    did not take something."""
+    ``elementwise`` (torch | triton: the window modes' small ops, ``k3.settings.decode``), and ``notes``: why
+    ``auto`` did not take something."""
 
     mode: str
     mla_kernel: str

@@ -168,8 +168,9 @@ class EmbeddedEngine:
         return WindowStepper(self.model, view, prompt_lens, self.tokenizer.pad_id, attention, captured)
 
     def _elementwise_kernels(self) -> bool:
-        """Whether this batch runs RMSNorm, SiTU and the AttnRes mix as fused Triton kernels: the plan's choice,
-        probed once against the plain ops (kernels that do not build here or disagree are left, logged, for the plain ops)."""
+        """Whether this batch runs the model's small ops (RMSNorm, SiTU, the AttnRes mix, KDA's head norms) as fused
+        Triton kernels: the plan's choice, probed once against the plain ops (kernels that do not build here or
+        disagree are left, logged, for the plain ops)."""
         if self.decode_plan.elementwise != "triton" or self._elementwise_off is not None:
             return False
         if not self._elementwise_probed:
