@@ -455,8 +455,9 @@ def test_cuda_graph_decode_gives_eager_greedy_tokens():
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["window", "graph"])
 def test_fused_rmsnorm_and_situ_decode_gives_eager_greedy_tokens(mode):
-    """RMSNorm, SiTU and the AttnRes mix as one Triton kernel each (captured into the graph in graph mode): the probe passes and the
-    greedy tokens are the model's under float32, as the plain ops' are."""
+    """The small ops (RMSNorm, SiTU, the AttnRes mix, KDA's head norms) as one Triton kernel each, captured into the
+    graph in graph mode: the probe passes and the greedy tokens are the model's under float32, as the plain ops'
+    are."""
     model = _gpu_model()
     engine = EmbeddedEngine(model, ByteTokenizer(), device="cuda",
                             decode=DecodeSettings(mode=mode, mla_kernel="torch", sampler="torch", elementwise="triton"))
