@@ -41,7 +41,7 @@ test-slow: install
 # import is installed (megatron-core: the Megatron backend's expert adapters on the kernels).
 TVENV     := .venv-triton
 TRITON_TESTS := tests/unit/test_lora_grouped.py tests/unit/test_megatron_expert_kernel.py \
-	tests/unit/test_gpu_expert_lora.py tests/unit/test_gpu_mxfp4.py tests/unit/test_elementwise_kernels.py
+	tests/unit/test_gpu_expert_lora.py tests/unit/test_gpu_mxfp4.py tests/unit/test_small_op_kernels.py
 
 $(TVENV)/.installed: ci/constraints.txt Makefile
 	test -x $(TVENV)/bin/python || $(PY) -m venv $(TVENV)

@@ -54,10 +54,10 @@ from k3.settings.decode import DecodeSettings
 PATHS = {
     "eager": DecodeSettings(mode="eager", sampler="torch"),
     "static": DecodeSettings(mode="static", sampler="torch"),
-    "window": DecodeSettings(mode="window", mla_kernel="torch", sampler="torch", elementwise="torch"),
-    "graph": DecodeSettings(mode="graph", mla_kernel="torch", sampler="torch", elementwise="torch"),
-    "fused": DecodeSettings(mode="graph", mla_kernel="torch", sampler="torch", elementwise="triton"),
-    "flashinfer": DecodeSettings(mode="graph", mla_kernel="flashinfer", sampler="flashinfer", elementwise="torch"),
+    "window": DecodeSettings(mode="window", mla_kernel="torch", sampler="torch", small_ops="torch"),
+    "graph": DecodeSettings(mode="graph", mla_kernel="torch", sampler="torch", small_ops="torch"),
+    "fused": DecodeSettings(mode="graph", mla_kernel="torch", sampler="torch", small_ops="triton"),
+    "flashinfer": DecodeSettings(mode="graph", mla_kernel="flashinfer", sampler="flashinfer", small_ops="torch"),
     "auto": DecodeSettings(),
 }
 FIRST_CALL_TOKENS = 4
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
             row[str(B)] = {"ms_per_step": ms, "tokens_per_s": B * 1e3 / ms, "ratio_to_limit": limit_ms / ms,
                            "plan": engine.decode_plan.describe(), "graph_fallback": engine._graph_off,
                            "flashinfer_fallback": engine._flashinfer_off,
-                           "elementwise_fallback": engine._elementwise_off,
+                           "small_ops_fallback": engine._small_ops_off,
                            "greedy_tokens_equal_first_path": same / sum(len(x) for x in tokens)}
             if args.profile and B == max(batches):
                 row[str(B)]["profile"] = step_profile(engine, prompts, steps)

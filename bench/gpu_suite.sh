@@ -56,7 +56,7 @@ PY
 # K3_GPU_SUITE_TEST_FILES="tests/unit/test_gpu_ipc.py ..." runs only those files (default: the list below).
 DEFAULT_TEST_FILES="tests/unit/test_gpu_mxfp4.py tests/unit/test_gpu_expert_lora.py tests/unit/test_lora_grouped.py \
 tests/unit/test_megatron_expert_kernel.py tests/unit/test_gpu_ipc.py tests/unit/test_gpu_kda.py \
-tests/unit/test_elementwise_kernels.py"
+tests/unit/test_small_op_kernels.py"
 TEST_FILES=${K3_GPU_SUITE_TEST_FILES:-$DEFAULT_TEST_FILES}
 # One pytest session per file, sharing K3_GPU_SUITE_TESTS_S (300 s): a session's summary and tracebacks print at its
 # end, so a file that runs over the budget takes only its own with it (on the H200 a single session over every file

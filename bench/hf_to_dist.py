@@ -28,8 +28,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from folder_io import dir_bytes, read_through  # noqa: E402  (bench/folder_io.py, bench/measure.py: run as
-from measure import report  # noqa: E402                  `python bench/hf_to_dist.py`)
+# bench/folder_io.py and bench/measure.py, beside this script (run as `python bench/hf_to_dist.py`)
+from folder_io import dir_bytes, read_through  # noqa: E402
+from measure import report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 _CONVERT_SECONDS = re.compile(r"wrote \S+ \(TP=1, EP=1, PP=1\) in ([0-9.]+) s")
@@ -57,7 +58,7 @@ def convert_seconds(output: str) -> float | None:
 
 def row(what: str, writers: int | None, wall: float, size: int, convert_s: float | None = None) -> dict:
     return {"run": what, "writers": writers, "seconds": round(wall, 2), "convert_s": convert_s, "bytes": size,
-            "gb_per_s": round(size / wall / 1e9, 4)}
+            "gb_per_s": size / wall / 1e9}  # unrounded: a tiny run is far below 1e-4 GB/s
 
 
 def main(argv: list[str] | None = None) -> dict:

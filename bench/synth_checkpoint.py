@@ -9,8 +9,9 @@ Every run is the real command in a subprocess (interpreter start and the final f
 clock; the output is deleted after each run, once the sha256 of every file is taken (``--no-check-bytes`` skips
 that). GB/s = bytes of the checkpoint folder / wall seconds; the command's own line splits its time into the
 phases the writer reports (start-up = interpreter, imports and planning; write = workers started, values generated
-and written into the page cache, with its GB/s; fsync = the flush to disk), so a slow run says which part was slow; CPU-s = user + sys of the command and its workers
-(on a shared machine, GB per CPU-s says more than the wall clock). A ``disk:N`` run is the anchor: N threads write
+and written into the page cache, with its GB/s; fsync = the flush to disk), so a slow run says which part was slow;
+CPU-s = user + sys of the command and its workers (on a shared machine, GB per CPU-s says more than the wall
+clock). A ``disk:N`` run is the anchor: N threads write
 as many bytes as the run before it (else 4 GB) of incompressible data with ``pwrite`` into one file, then fsync it,
 in this process: what the disk under ``--work-dir`` takes, so a writer's GB/s reads against it. The default size,
 the 4layer width with 4 routed experts per layer (11.2 GB in BF16), fits a 2-core 24 GiB dev machine.

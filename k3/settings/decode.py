@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DECODE_MODES", "DecodeSettings", "ELEMENTWISE_KERNELS", "GRAPH_BATCH_SIZES", "MLA_KERNELS", "SAMPLERS",
+__all__ = ["DECODE_MODES", "DecodeSettings", "SMALL_OP_KERNELS", "GRAPH_BATCH_SIZES", "MLA_KERNELS", "SAMPLERS",
            "STOP_CHECK_INTERVAL"]
 
 # eager: the plain reference (a grown K3Cache, the mask concatenated per step); static: a preallocated
@@ -22,7 +22,7 @@ MLA_KERNELS = ("auto", "torch", "flashinfer")
 # The window modes' small ops (RMSNorm, SiTU, the AttnRes mix, KDA's head norms): torch (the model's plain ops, several
 # kernels each) or one Triton kernel each (k3.kernels.rms_norm, .situ, .attn_res_mix, .head_norms); auto: triton
 # where it runs (CUDA with Triton), else torch.
-ELEMENTWISE_KERNELS = ("auto", "torch", "triton")
+SMALL_OP_KERNELS = ("auto", "torch", "triton")
 # Token sampling: torch (k3.rollout.embedded.sampling.sample_next) or flashinfer's top-p kernel (greedy stays argmax);
 # auto: flashinfer where it imports on CUDA, else torch.
 SAMPLERS = ("auto", "torch", "flashinfer")
@@ -34,21 +34,21 @@ GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 @dataclass(frozen=True)
 class DecodeSettings:
-    """``mode`` in :data:`DECODE_MODES`, ``mla_kernel`` in :data:`MLA_KERNELS`, ``elementwise`` in
-    :data:`ELEMENTWISE_KERNELS`, ``sampler`` in :data:`SAMPLERS`; ``stop_check_interval`` ≥ 1 (steps);
+    """``mode`` in :data:`DECODE_MODES`, ``mla_kernel`` in :data:`MLA_KERNELS`, ``small_ops`` in
+    :data:`SMALL_OP_KERNELS`, ``sampler`` in :data:`SAMPLERS`; ``stop_check_interval`` ≥ 1 (steps);
     ``graph_batch_sizes``: increasing positive batch sizes."""
 
     mode: str = "auto"
     mla_kernel: str = "auto"
     sampler: str = "auto"
-    elementwise: str = "auto"
+    small_ops: str = "auto"
     stop_check_interval: int = STOP_CHECK_INTERVAL
     graph_batch_sizes: tuple[int, ...] = GRAPH_BATCH_SIZES
 
     def __post_init__(self) -> None:
         for name, value, choices in (("mode", self.mode, DECODE_MODES), ("mla_kernel", self.mla_kernel, MLA_KERNELS),
                                      ("sampler", self.sampler, SAMPLERS),
-                                     ("elementwise", self.elementwise, ELEMENTWISE_KERNELS)):
+                                     ("small_ops", self.small_ops, SMALL_OP_KERNELS)):
             if value not in choices:
                 raise ValueError(f"DecodeSettings.{name}={value!r}: expected one of {', '.join(choices)}")
         if not isinstance(self.stop_check_interval, int) or self.stop_check_interval < 1:

@@ -348,7 +348,7 @@ def test_auto_on_cuda_takes_graphs_and_says_what_it_left_out():
 
 
 def test_rmsnorm_and_situ_kernels_are_resolved_for_the_window_modes(monkeypatch):
-    """elementwise: auto takes the Triton kernels in the window modes on CUDA where Triton runs, and says why not
+    """small_ops: auto takes the Triton kernels in the window modes on CUDA where Triton runs, and says why not
     where it does not; the reference modes and the CPU keep torch; an explicit triton that cannot run is refused.
     Resolution reads the device's type and Triton's availability, faked here."""
     import k3.rollout.embedded.decode_plan as decode_plan
@@ -356,25 +356,25 @@ def test_rmsnorm_and_situ_kernels_are_resolved_for_the_window_modes(monkeypatch)
     model, cuda, cpu = _model(), torch.device("cuda"), torch.device("cpu")
     monkeypatch.setattr(decode_plan, "triton_runs_on", lambda device: torch.device(device).type == "cuda")
     plan = resolve_decode(DecodeSettings(), cuda, model)
-    assert (plan.mode, plan.elementwise) == ("graph", "triton")
+    assert (plan.mode, plan.small_ops) == ("graph", "triton")
     assert "small ops triton" in plan.describe()
-    assert resolve_decode(DecodeSettings(mode="window", elementwise="torch"), cuda, model).elementwise == "torch"
-    assert resolve_decode(DecodeSettings(mode="static"), cuda, model).elementwise == "torch"
-    assert resolve_decode(DecodeSettings(), cpu, model).elementwise == "torch"
-    assert resolve_decode(DecodeSettings(mode="window"), cpu, model).elementwise == "torch"
-    with pytest.raises(ValueError, match=r"^elementwise triton runs in the window modes \(window, graph\), not in "
+    assert resolve_decode(DecodeSettings(mode="window", small_ops="torch"), cuda, model).small_ops == "torch"
+    assert resolve_decode(DecodeSettings(mode="static"), cuda, model).small_ops == "torch"
+    assert resolve_decode(DecodeSettings(), cpu, model).small_ops == "torch"
+    assert resolve_decode(DecodeSettings(mode="window"), cpu, model).small_ops == "torch"
+    with pytest.raises(ValueError, match=r"^small_ops triton runs in the window modes \(window, graph\), not in "
                                          r"mode static$"):
-        resolve_decode(DecodeSettings(mode="static", elementwise="triton"), cuda, model)
-    with pytest.raises(ValueError, match=r"^elementwise triton: needs a CUDA device with Triton, the engine runs on "
+        resolve_decode(DecodeSettings(mode="static", small_ops="triton"), cuda, model)
+    with pytest.raises(ValueError, match=r"^small_ops triton: needs a CUDA device with Triton, the engine runs on "
                                          r"cpu$"):
-        resolve_decode(DecodeSettings(mode="window", elementwise="triton"), cpu, model)
+        resolve_decode(DecodeSettings(mode="window", small_ops="triton"), cpu, model)
     monkeypatch.setattr(decode_plan, "triton_runs_on", lambda device: False)  # CUDA without Triton
     plan = resolve_decode(DecodeSettings(), cuda, model)
-    assert plan.elementwise == "torch" and "small ops torch: Triton does not import" in plan.notes
+    assert plan.small_ops == "torch" and "small ops torch: Triton does not import" in plan.notes
     with pytest.raises(ValueError, match="and Triton does not import$"):
-        resolve_decode(DecodeSettings(elementwise="triton"), cuda, model)
-    with pytest.raises(ValueError, match=r"DecodeSettings.elementwise='fused': expected one of auto, torch, triton"):
-        DecodeSettings(elementwise="fused")
+        resolve_decode(DecodeSettings(small_ops="triton"), cuda, model)
+    with pytest.raises(ValueError, match=r"DecodeSettings.small_ops='fused': expected one of auto, torch, triton"):
+        DecodeSettings(small_ops="fused")
 
 
 def _k3_latent():
@@ -460,10 +460,10 @@ def test_fused_rmsnorm_and_situ_decode_gives_eager_greedy_tokens(mode):
     are."""
     model = _gpu_model()
     engine = EmbeddedEngine(model, ByteTokenizer(), device="cuda",
-                            decode=DecodeSettings(mode=mode, mla_kernel="torch", sampler="torch", elementwise="triton"))
-    assert engine.decode_plan.elementwise == "triton"
+                            decode=DecodeSettings(mode=mode, mla_kernel="torch", sampler="torch", small_ops="triton"))
+    assert engine.decode_plan.small_ops == "triton"
     got = _greedy(engine)
-    assert engine._elementwise_off is None and engine._graph_off is None
+    assert engine._small_ops_off is None and engine._graph_off is None
     _assert_greedy_under_float32(model, got)
 
 

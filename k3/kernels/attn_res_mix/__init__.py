@@ -1,5 +1,5 @@
 """The Block-AttnRes mix over depth: the reference (``naive``) and one Triton kernel (``triton``), and the dispatch
-the model calls. The kernel serves only inside ``k3.kernels.elementwise_mode.triton_elementwise()``, for tensors it
+the model calls. The kernel serves only inside ``k3.kernels.small_ops_mode.triton_small_ops()``, for tensors it
 runs on that carry no gradient (``triton_serves``); everything else is the reference."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 from k3.kernels.attn_res_mix.naive import attn_res_mix_naive
 from k3.kernels.attn_res_mix.triton import MAX_DIM, attn_res_mix_triton
-from k3.kernels.elementwise_mode import triton_serves
+from k3.kernels.small_ops_mode import triton_serves
 
 __all__ = ["attn_res_mix", "attn_res_mix_naive", "attn_res_mix_triton"]
 

@@ -25,11 +25,14 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _mix_rows(values_ptr, q_ptr, out_ptr, n_candidates, n_rows, n_cols, eps, BLOCK: tl.constexpr):
+    def _mix_rows(values_ptr, norm_w_ptr, proj_w_ptr, out_ptr, n_candidates, n_rows, n_cols, eps,
+                  BLOCK: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         keep = cols < n_cols
-        q = tl.load(q_ptr + cols, mask=keep, other=0.0)
+        # the pseudo-query, as the reference forms it: float32(norm weight) · float32(proj weight)
+        q = (tl.load(norm_w_ptr + cols, mask=keep, other=0.0).to(tl.float32)
+             * tl.load(proj_w_ptr + cols, mask=keep, other=0.0).to(tl.float32))
         top = -float("inf")
         denom = 0.0
         acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -65,12 +68,14 @@ def attn_res_mix_triton(candidates: Sequence[torch.Tensor], norm_weight: torch.T
                          f"{tuple(proj_weight.shape)} for rows of {dim}: expected ({dim},) and (1, {dim})")
     if dim > MAX_DIM:
         raise ValueError(f"attn_res_mix_triton: rows of {dim} > {MAX_DIM} (one row per program)")
+    if norm_weight.device != last.device or proj_weight.device != last.device:
+        raise ValueError(f"attn_res_mix_triton: candidates on {last.device}, weights on {norm_weight.device} and "
+                         f"{proj_weight.device}")
     values = torch.stack([c.reshape(-1, dim) for c in candidates])  # [n, rows, dim], contiguous
-    query = (norm_weight.float() * proj_weight.float()[0]).contiguous()
     rows = values.shape[1]
     out = torch.empty((rows, dim), dtype=last.dtype, device=last.device)
     if rows:
         block = triton.next_power_of_2(dim)
-        _mix_rows[(rows,)](values, query, out, len(candidates), rows, dim, float(eps), BLOCK=block,
-                           num_warps=min(16, max(1, block // 512)))
+        _mix_rows[(rows,)](values, norm_weight.contiguous(), proj_weight.contiguous(), out, len(candidates), rows,
+                           dim, float(eps), BLOCK=block, num_warps=min(16, max(1, block // 512)))
     return out.view(shape)

@@ -1,13 +1,13 @@
 """KDA's per-head norms (the q/k L2 norm, the gated output RMSNorm): the references (``naive``), one Triton kernel
 each (``triton``), and the dispatch the model calls. The kernels serve only inside
-``k3.kernels.elementwise_mode.triton_elementwise()``, for tensors they run on that carry no gradient
+``k3.kernels.small_ops_mode.triton_small_ops()``, for tensors they run on that carry no gradient
 (``triton_serves``); everything else is the reference."""
 
 from __future__ import annotations
 
 import torch
 
-from k3.kernels.elementwise_mode import triton_serves
+from k3.kernels.small_ops_mode import triton_serves
 from k3.kernels.head_norms.naive import gated_rms_norm_naive, l2_norm_naive
 from k3.kernels.head_norms.triton import MAX_DIM, gated_rms_norm_triton, l2_norm_triton
 

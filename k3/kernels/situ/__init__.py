@@ -1,12 +1,12 @@
 """SiTU-GLU: the reference (``naive``) and one Triton kernel (``triton``), and the dispatch the model calls. The
-kernel serves only inside ``k3.kernels.elementwise_mode.triton_elementwise()``, for tensors it runs on that carry
+kernel serves only inside ``k3.kernels.small_ops_mode.triton_small_ops()``, for tensors it runs on that carry
 no gradient (``triton_serves``); everything else is the reference."""
 
 from __future__ import annotations
 
 import torch
 
-from k3.kernels.elementwise_mode import triton_serves
+from k3.kernels.small_ops_mode import triton_serves
 from k3.kernels.situ.naive import situ_naive
 from k3.kernels.situ.triton import situ_triton
 

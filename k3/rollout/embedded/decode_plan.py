@@ -28,7 +28,7 @@ _FLASHINFER_DTYPES = (torch.bfloat16, torch.float16)
 class DecodePlan:
     """The resolved decode: ``mode`` (eager | static | window | graph), ``mla_kernel`` (torch | flashinfer; the
     window modes' MLA attention), ``sampler`` (torch | flashinfer), the stop-check interval, the graph buckets,
-    ``elementwise`` (torch | triton: the window modes' small ops, ``k3.settings.decode``), and ``notes``: why
+    ``small_ops`` (torch | triton: the window modes' small ops, ``k3.settings.decode``), and ``notes``: why
     ``auto`` did not take something."""
 
     mode: str
@@ -37,14 +37,14 @@ class DecodePlan:
     stop_check_interval: int
     graph_batch_sizes: tuple[int, ...]
     notes: tuple[str, ...] = ()
-    elementwise: str = "torch"
+    small_ops: str = "torch"
 
     def bucket(self, batch: int) -> int:
         """Rows a graph runs a batch of ``batch`` in: the smallest listed size that holds it, else the batch."""
         return next((n for n in self.graph_batch_sizes if n >= batch), batch)
 
     def describe(self) -> str:
-        kernel = (f", MLA attention {self.mla_kernel}, small ops {self.elementwise}" if self.mode in WINDOW_MODES
+        kernel = (f", MLA attention {self.mla_kernel}, small ops {self.small_ops}" if self.mode in WINDOW_MODES
                   else "")
         notes = f" ({'; '.join(self.notes)})" if self.notes else ""
         return (f"decode mode {self.mode}{kernel}, sampler {self.sampler}, stop check every "
@@ -109,16 +109,16 @@ def resolve_decode(settings: DecodeSettings, device: torch.device, model: KimiK3
             else:
                 notes.append(f"MLA attention torch: {problem}")
 
-    elementwise = settings.elementwise
+    small_ops = settings.small_ops
     triton_here = cuda and triton_runs_on(device)
-    if elementwise == "triton":
+    if small_ops == "triton":
         if mode not in WINDOW_MODES:
-            raise ValueError(f"elementwise triton runs in the window modes (window, graph), not in mode {mode}")
+            raise ValueError(f"small_ops triton runs in the window modes (window, graph), not in mode {mode}")
         if not triton_here:
-            raise ValueError(f"elementwise triton: needs a CUDA device with Triton, the engine runs on {device}"
+            raise ValueError(f"small_ops triton: needs a CUDA device with Triton, the engine runs on {device}"
                              + ("" if not cuda else " and Triton does not import"))
-    elif elementwise == "auto":
-        elementwise = "triton" if mode in WINDOW_MODES and triton_here else "torch"
+    elif small_ops == "auto":
+        small_ops = "triton" if mode in WINDOW_MODES and triton_here else "torch"
         if mode in WINDOW_MODES and cuda and not triton_here:
             notes.append("small ops torch: Triton does not import")
 
@@ -128,4 +128,4 @@ def resolve_decode(settings: DecodeSettings, device: torch.device, model: KimiK3
     if sampler == "auto":
         sampler = "flashinfer" if fi_missing is None else "torch"
     return DecodePlan(mode, mla_kernel, sampler, settings.stop_check_interval, tuple(settings.graph_batch_sizes),
-                      tuple(notes), elementwise)
+                      tuple(notes), small_ops)

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from k3.kernels.elementwise_mode import triton_elementwise
-from k3.kernels.elementwise_probe import probe_elementwise_kernels
+from k3.kernels.small_ops_mode import triton_small_ops
+from k3.kernels.small_ops_probe import probe_small_op_kernels
 from k3.kernels.mla_decode.naive import mla_decode_masked
 from k3.lora import apply_lora
 from k3.model import KimiK3ForCausalLM
@@ -85,8 +85,8 @@ class EmbeddedEngine:
         self._memory = DecodeMemory(self.model, self.device)
         self._graph_off: str | None = None  # why CUDA graphs stopped being used (a capture failed)
         self._flashinfer_off: str | None = None  # why flashinfer's MLA attention stopped being used
-        self._elementwise_off: str | None = None  # why the fused small-op kernels were left (their probe)
-        self._elementwise_probed = False
+        self._small_ops_off: str | None = None  # why the fused small-op kernels were left (their probe)
+        self._small_ops_probed = False
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
@@ -125,7 +125,7 @@ class EmbeddedEngine:
         plan = self.decode_plan
         # The fused small-op kernels for this batch's prefill, warm-up, graph capture and steps (replays run
         # the captured kernels).
-        with triton_elementwise(self._elementwise_kernels()):
+        with triton_small_ops(self._small_op_kernels()):
             stepper = self._stepper([len(r.prompt_ids) for r in batch], L + sampling.max_new_tokens)
             res = decode_batch(stepper, ids, mask, sampling, stop_ids, gen, plan.stop_check_interval,
                                _SAMPLERS[plan.sampler])
@@ -167,18 +167,18 @@ class EmbeddedEngine:
             view.reset()
         return WindowStepper(self.model, view, prompt_lens, self.tokenizer.pad_id, attention, captured)
 
-    def _elementwise_kernels(self) -> bool:
+    def _small_op_kernels(self) -> bool:
         """Whether this batch runs the model's small ops (RMSNorm, SiTU, the AttnRes mix, KDA's head norms) as fused
         Triton kernels: the plan's choice, probed once against the plain ops (kernels that do not build here or
         disagree are left, logged, for the plain ops)."""
-        if self.decode_plan.elementwise != "triton" or self._elementwise_off is not None:
+        if self.decode_plan.small_ops != "triton" or self._small_ops_off is not None:
             return False
-        if not self._elementwise_probed:
-            self._elementwise_probed = True
+        if not self._small_ops_probed:
+            self._small_ops_probed = True
             embed = self.model.model.embed_tokens.weight
-            problem = probe_elementwise_kernels(self.device, embed.dtype, embed.shape[1])
+            problem = probe_small_op_kernels(self.device, embed.dtype, embed.shape[1])
             if problem is not None:
-                self._elementwise_off = problem
+                self._small_ops_off = problem
                 log.warning("embedded engine: the fused small-op kernels failed their probe (%s); using the "
                             "plain ops from now on", problem)
                 return False

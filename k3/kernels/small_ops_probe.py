@@ -15,7 +15,7 @@ from k3.kernels.head_norms import gated_rms_norm_naive, gated_rms_norm_triton, l
 from k3.kernels.rms_norm import rms_norm_naive, rms_norm_triton
 from k3.kernels.situ import situ_naive, situ_triton
 
-__all__ = ["probe_elementwise_kernels"]
+__all__ = ["probe_small_op_kernels"]
 
 HEAD_DIM = 128  # K3's KDA head: the probe's rows of ``dim`` are cut into heads of this size (whole rows if not)
 
@@ -36,7 +36,7 @@ def _disagreement(name: str, got: torch.Tensor, want: torch.Tensor, scale: float
     return None
 
 
-def probe_elementwise_kernels(device: torch.device | str, dtype: torch.dtype, dim: int) -> str | None:
+def probe_small_op_kernels(device: torch.device | str, dtype: torch.dtype, dim: int) -> str | None:
     """Run the kernels on ``[8, dim]`` rows of ``dtype`` on ``device`` against the plain forms; returns None when
     they agree, else the first problem (an exception's type and message, or the disagreement)."""
     gen = torch.Generator().manual_seed(0)

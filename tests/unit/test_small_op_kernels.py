@@ -14,7 +14,7 @@ import torch
 
 from k3.kernels import availability
 from k3.kernels.attn_res_mix import attn_res_mix, attn_res_mix_naive, attn_res_mix_triton
-from k3.kernels.elementwise_mode import triton_elementwise, triton_elementwise_on, triton_serves
+from k3.kernels.small_ops_mode import triton_small_ops, triton_small_ops_on, triton_serves
 from k3.kernels.head_norms import (gated_rms_norm, gated_rms_norm_naive, gated_rms_norm_triton, l2_norm, l2_norm_naive,
                                    l2_norm_triton)
 from k3.kernels.rms_norm import rms_norm, rms_norm_naive, rms_norm_triton
@@ -40,25 +40,25 @@ def _within_ulps(got: torch.Tensor, want: torch.Tensor, ulp: float, ulps: float)
 
 # ------------------------------------------------------------------------------------------------ the switch
 def test_the_switch_is_off_outside_its_block_and_nests():
-    assert not triton_elementwise_on()
-    with triton_elementwise():
-        assert triton_elementwise_on()
-        with triton_elementwise(False):
-            assert not triton_elementwise_on()
-        assert triton_elementwise_on()
-    assert not triton_elementwise_on()
+    assert not triton_small_ops_on()
+    with triton_small_ops():
+        assert triton_small_ops_on()
+        with triton_small_ops(False):
+            assert not triton_small_ops_on()
+        assert triton_small_ops_on()
+    assert not triton_small_ops_on()
 
 
 def test_without_the_switch_or_with_a_gradient_the_plain_forms_serve():
     x, w = _rows((3, 40), torch.float32), _rows((40,), torch.float32, 1.0, 1)
     assert not triton_serves(x, w)  # switch off
-    with triton_elementwise():
+    with triton_small_ops():
         assert triton_serves(x, w) == RUNS_HERE
         assert not triton_serves(x.requires_grad_(), w)  # a gradient to carry: the kernels have no backward
         with torch.no_grad():
             assert triton_serves(x, w) == RUNS_HERE
     x = x.detach()
-    with triton_elementwise():  # where the kernel does not run, the plain form's very bits
+    with triton_small_ops():  # where the kernel does not run, the plain form's very bits
         if not RUNS_HERE:
             assert torch.equal(rms_norm(x, w, 1e-6), rms_norm_naive(x, w, 1e-6))
             assert torch.equal(situ(x, x * 2), situ_naive(x, x * 2))
@@ -70,7 +70,8 @@ def test_the_kernels_refuse_bad_shapes():
     for candidates, nw, pw, message in (
             ([], torch.ones(8), torch.ones(1, 8), "no candidates to mix"),
             ([x, torch.zeros(2, 4)], torch.ones(8), torch.ones(1, 8), r"expected one shape on one device"),
-            ([x], torch.ones(8), torch.ones(8), r"expected \(8,\) and \(1, 8\)")):
+            ([x], torch.ones(8), torch.ones(8), r"expected \(8,\) and \(1, 8\)"),
+            ([x], torch.ones(8), torch.ones(1, 8, device="meta"), r"candidates on cpu, weights on cpu and meta")):
         with pytest.raises((ValueError, RuntimeError), match=f"{message}|{missing}"):
             attn_res_mix_triton(candidates, nw, pw, 1e-6)
     with pytest.raises((ValueError, RuntimeError), match=rf"expected one shape and a weight of \(8,\)|{missing}"):
@@ -190,7 +191,7 @@ def test_head_norms_bf16_in_and_out():
 def test_inside_the_switch_the_model_s_ops_take_the_kernels():
     """The dispatch the model calls routes to the kernels (here: interpreted on the CPU) without a gradient."""
     x, w = _rows((3, 64), torch.float32), _rows((64,), torch.float32, 0.5, 1) + 1
-    with triton_elementwise(), torch.no_grad():
+    with triton_small_ops(), torch.no_grad():
         assert torch.equal(rms_norm(x, w, 1e-6), rms_norm_triton(x, w, 1e-6))
         assert torch.equal(situ(x, w.expand(3, 64)), situ_triton(x, w.expand(3, 64)))
         pair = [x, x * 2]
@@ -202,7 +203,7 @@ def test_inside_the_switch_the_model_s_ops_take_the_kernels():
 
 @needs_interpreter
 def test_the_model_under_the_switch_runs_its_norms_and_situ_as_kernels_with_the_same_logits(monkeypatch):
-    """The tiny model (float32) forward under ``triton_elementwise()``: every RMSNorm, SiTU, AttnRes mix and KDA head
+    """The tiny model (float32) forward under ``triton_small_ops()``: every RMSNorm, SiTU, AttnRes mix and KDA head
     norm goes through the kernels, and the logits are the plain model's within float32 noise."""
     import k3.kernels.attn_res_mix as attn_res_mix_op
     import k3.kernels.head_norms as head_norms_op
@@ -231,7 +232,7 @@ def test_the_model_under_the_switch_runs_its_norms_and_situ_as_kernels_with_the_
     with torch.no_grad():
         want = model(ids)
         assert set(calls.values()) == {0}
-        with triton_elementwise():
+        with triton_small_ops():
             got = model(ids)
     # every RMSNorm module runs once, but the AttnRes ones (``*_res_norm``: attn_res_mix reads their weights only)
     norms = sum(type(m).__name__ == "RMSNorm" and not name.endswith("res_norm") for name, m in model.named_modules())
@@ -245,16 +246,16 @@ def test_the_model_under_the_switch_runs_its_norms_and_situ_as_kernels_with_the_
 
 # ------------------------------------------------------------------------------------------------ the probe
 def test_the_probe_names_a_kernel_that_does_not_run_or_disagrees(monkeypatch):
-    from k3.kernels import elementwise_probe
+    from k3.kernels import small_ops_probe
 
-    problem = elementwise_probe.probe_elementwise_kernels("cpu", torch.float32, 64)
+    problem = small_ops_probe.probe_small_op_kernels("cpu", torch.float32, 64)
     if not RUNS_HERE:  # no Triton in this venv: the build failure is the reason
         assert problem == "RuntimeError: rms_norm_triton: Triton is not installed"
         return
     assert problem is None
-    assert elementwise_probe.probe_elementwise_kernels("cpu", torch.bfloat16, 7168) is None
-    monkeypatch.setattr(elementwise_probe, "situ_triton", lambda g, u: situ_naive(g, u) * 1.001)
-    problem = elementwise_probe.probe_elementwise_kernels("cpu", torch.float32, 64)
+    assert small_ops_probe.probe_small_op_kernels("cpu", torch.bfloat16, 7168) is None
+    monkeypatch.setattr(small_ops_probe, "situ_triton", lambda g, u: situ_naive(g, u) * 1.001)
+    problem = small_ops_probe.probe_small_op_kernels("cpu", torch.float32, 64)
     assert problem.startswith("situ: ") and "values differ from the plain form by more than 3.8e-06 relative" in problem
 
 
@@ -266,7 +267,7 @@ def test_an_engine_whose_kernels_fail_their_probe_decodes_with_the_plain_ops(mon
     import logging
 
     from k3.config import variant
-    from k3.kernels import elementwise_probe
+    from k3.kernels import small_ops_probe
     from k3.model import KimiK3ForCausalLM
     from k3.rollout.embedded import engine as engine_mod
     from k3.rollout.embedded.engine import EmbeddedEngine
@@ -281,17 +282,17 @@ def test_an_engine_whose_kernels_fail_their_probe_decodes_with_the_plain_ops(mon
     plain = EmbeddedEngine(model, ByteTokenizer(), decode=DecodeSettings(mode="window"))
     want = [s.tokens for s in plain.generate(reqs, sampling)]
     engine = EmbeddedEngine(model, ByteTokenizer(), decode=DecodeSettings(mode="window"))
-    engine.decode_plan = dataclasses.replace(engine.decode_plan, elementwise="triton")
+    engine.decode_plan = dataclasses.replace(engine.decode_plan, small_ops="triton")
     probes = []
-    monkeypatch.setattr(engine_mod, "probe_elementwise_kernels",
+    monkeypatch.setattr(engine_mod, "probe_small_op_kernels",
                         lambda device, dtype, dim: probes.append((str(device), dtype, dim)) or "RuntimeError: no GPU")
     with caplog.at_level(logging.WARNING, logger=engine_mod.log.name):
         got = [[s.tokens for s in engine.generate(reqs, sampling)] for _ in range(2)]
     assert got == [want, want]
     assert probes == [("cpu", torch.float32, 64)]  # once, at the model's width
-    assert engine._elementwise_off == "RuntimeError: no GPU"
+    assert engine._small_ops_off == "RuntimeError: no GPU"
     assert "fused small-op kernels failed their probe (RuntimeError: no GPU)" in caplog.text
-    assert elementwise_probe.probe_elementwise_kernels is not None
+    assert small_ops_probe.probe_small_op_kernels is not None
 
 
 # ------------------------------------------------------------------------------------------------ GPU
@@ -310,7 +311,7 @@ def test_on_cuda_bf16_kernels_match_the_reference_to_the_last_bit_almost_everywh
     got, want = situ_triton(g, u), situ_naive(g, u)
     _within_ulps(got, want, ULP_BF16, 1)
     assert (got != want).float().mean().item() < 0.01
-    with triton_elementwise(), torch.no_grad():  # the model's dispatch takes them on CUDA
+    with triton_small_ops(), torch.no_grad():  # the model's dispatch takes them on CUDA
         assert torch.equal(rms_norm(x, w, 1e-6), rms_norm_triton(x, w, 1e-6))
         assert torch.equal(situ(g, u), got)
     blocks = [_rows((64, 7168), torch.bfloat16, 1.0 + i, 2 + i).cuda() for i in range(3)]
