@@ -55,7 +55,20 @@ def k3_slice(experts: int, topk: int, vocab: int):
                                      vocab_size=vocab)
 
 
-def one_mode(name: str, cfg, ids: torch.Tensor, labels: torch.Tensor, cu: torch.Tensor, rank: int) -> dict:
+def top_kernels(prof, n: int) -> list[dict]:
+    """The ``n`` operators with the most CUDA time under ``prof`` (a finished ``torch.profiler.profile``): name,
+    calls, total CUDA ms, and the share of all CUDA time; first a row for all of it (against the step's wall time it
+    says whether the GPU waited on the host)."""
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.self_device_time_total for e in events) or 1.0
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    whole = {"kernel": "(all CUDA time)", "calls": sum(e.count for e in events), "cuda_ms": total / 1e3, "share": 1.0}
+    return [whole] + [{"kernel": e.key[:90], "calls": e.count, "cuda_ms": e.self_device_time_total / 1e3,
+             "share": e.self_device_time_total / total} for e in events[:n]]
+
+
+def one_mode(name: str, cfg, ids: torch.Tensor, labels: torch.Tensor, cu: torch.Tensor, rank: int,
+             profile: int = 0) -> dict:
     from megatron.core import tensor_parallel
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -95,11 +108,27 @@ def one_mode(name: str, cfg, ids: torch.Tensor, labels: torch.Tensor, cu: torch.
     seconds = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated()
     grads = {n: p.grad.float().cpu() for n, p in lora.items()}
+    with torch.no_grad():  # the forward alone, as the trainer's log-prob pass runs it
+        model(ids, None, None, packed_seq_params=params)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model(ids, None, None, packed_seq_params=params)
+        torch.cuda.synchronize()
+        forward_s = time.perf_counter() - t0
+    kernels = []
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        kernels = top_kernels(prof, profile)
     del model, lora, params
     gc.collect()
     torch.cuda.empty_cache()
     return {"mode": name, "held_gib": held / GIB, "peak_gib": peak / GIB, "step_peak_gib": (peak - held) / GIB,
-            "step_s": seconds, "grads": grads}
+            "step_s": seconds, "forward_s": forward_s, "top_kernels": kernels, "grads": grads}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -114,21 +143,24 @@ def run(args: argparse.Namespace) -> dict:
     ids, labels = tokens[:, :-1].cuda(), tokens[:, 1:].cuda()
     rows, base = [], None
     for name in args.modes.split(","):
-        r = one_mode(name, cfg, ids, labels, cu, args.rank)
+        r = one_mode(name, cfg, ids, labels, cu, args.rank, args.profile)
         grads = r.pop("grads")
         if base is None:
             base = grads
         r["grad_max_rel_vs_first"] = max(((grads[k] - g).norm() / g.norm().clamp_min(1e-30)).item()
                                          for k, g in base.items())
         rows.append(r)
-        print(f"{name}: step peak {r['step_peak_gib']:.2f} GiB, {r['step_s']:.2f} s", flush=True)
+        print(f"{name}: step peak {r['step_peak_gib']:.2f} GiB, step {r['step_s']:.2f} s, forward "
+              f"{r['forward_s']:.2f} s", flush=True)
+        for k in r["top_kernels"]:
+            print(f"    {k['cuda_ms']:9.1f} ms {k['share']:6.1%} {k['calls']:6d}×  {k['kernel']}", flush=True)
     first = rows[0]["step_peak_gib"]
     for r in rows:
         r["step_peak_vs_first"] = r["step_peak_gib"] / first
-    table = ["| mode | held GiB | step peak GiB | vs first | step s | LoRA grad rel. diff |",
-             "|---|---|---|---|---|---|"]
+    table = ["| mode | held GiB | step peak GiB | vs first | step s | forward s | LoRA grad rel. diff |",
+             "|---|---|---|---|---|---|---|"]
     table += [f"| {r['mode']} | {r['held_gib']:.2f} | {r['step_peak_gib']:.2f} | {r['step_peak_vs_first']:.2f} | "
-              f"{r['step_s']:.2f} | {r['grad_max_rel_vs_first']:.1e} |" for r in rows]
+              f"{r['step_s']:.2f} | {r['forward_s']:.2f} | {r['grad_max_rel_vs_first']:.1e} |" for r in rows]
     result = {
         "bench": "gpu_recompute",
         "device": torch.cuda.get_device_name(),
@@ -151,6 +183,8 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=32768)
     p.add_argument("--rank", type=int, default=32, help="LoRA rank")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {list(MODES)}")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="profile one more step per mode and list its N most expensive CUDA operators")
     p.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
     run(p.parse_args())
 

@@ -32,6 +32,7 @@ from k3.rollout.embedded.decode_memory import DecodeMemory
 from k3.rollout.embedded.decode_plan import DecodePlan, resolve_decode
 from k3.rollout.embedded.sampling import sample_next, sample_next_flashinfer
 from k3.rollout.embedded.steppers import EagerStepper, StaticStepper, WindowStepper
+from k3.rollout.embedded.weight_backup import WeightBackup
 from k3.rollout.errors import EngineStateError
 from k3.rollout.protocol import GenerateRequest, Sample, SamplingParams, check_tags
 from k3.settings.decode import DecodeSettings
@@ -78,7 +79,7 @@ class EmbeddedEngine:
         self.cpu_backup = cpu_backup
         self._version = 0
         self._released: set[str] = set()
-        self._backup: dict[str, torch.Tensor] = {}
+        self._backup = WeightBackup(self.device)
         self._loader = AdapterLoader(self.model)
         self.decode_plan: DecodePlan = resolve_decode(decode or DecodeSettings(), self.device, self.model)
         log.info("embedded engine on %s: %s", self.device, self.decode_plan.describe())
@@ -229,8 +230,8 @@ class EmbeddedEngine:
     # ------------------------------------------------------------------ memory
     def release_memory(self, tags: Sequence[str]) -> None:
         """Free the tagged regions; ``generate`` refuses to run until they are resumed. ``weights``: parameters
-        (base + adapters) move to a host backup and the device copies are dropped (the CUDA graphs, which point at
-        them, go too); ``kv_cache``: the static decode cache and what reads it (graphs, flashinfer buffers);
+        (base + adapters) move to a host backup (``weight_backup``: pinned buffers, reused) and the device copies are
+        dropped (the CUDA graphs, which point at them, go too); ``kv_cache``: the static decode cache and what reads it (graphs, flashinfer buffers);
         ``cuda_graph``: the captured graphs."""
         tags = check_tags(tags)
         self._memory.release(tags)
@@ -241,10 +242,7 @@ class EmbeddedEngine:
                     "enable lora_base_cpu_backup"
                 )
             self._memory.release_graphs()
-            for name, p in self.model.named_parameters():
-                host = p.data if p.device.type == "cpu" else p.data.to("cpu", copy=True)
-                self._backup[name] = host
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            self._backup.save(self.model)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
         self._released.update(tags)
@@ -254,8 +252,7 @@ class EmbeddedEngine:
         (CUDA graphs are captured again when next used)."""
         tags = check_tags(tags)
         if "weights" in tags and "weights" in self._released:
-            for name, p in self.model.named_parameters():
-                p.data = self._backup.pop(name).to(self.device)
+            self._backup.restore(self.model)
         self._memory.resume(tags)
         self._released.difference_update(tags)
 
