@@ -63,8 +63,26 @@ def top_kernels(prof, n: int) -> list[dict]:
     total = sum(e.self_device_time_total for e in events) or 1.0
     events.sort(key=lambda e: e.self_device_time_total, reverse=True)
     whole = {"kernel": "(all CUDA time)", "calls": sum(e.count for e in events), "cuda_ms": total / 1e3, "share": 1.0}
-    return [whole] + [{"kernel": e.key[:90], "calls": e.count, "cuda_ms": e.self_device_time_total / 1e3,
+    launchers = _launchers(prof, {e.key for e in events[:5]})
+    return [whole] + [{"kernel": e.key[:90], "launched_by": launchers.get(e.key, []), "calls": e.count, "cuda_ms": e.self_device_time_total / 1e3,
              "share": e.self_device_time_total / total} for e in events[:n]]
+
+
+def _launchers(prof, kernels: set[str], per_kernel: int = 3) -> dict[str, list[str]]:
+    """For each kernel in ``kernels``: the innermost operators that launched it, with their input shapes and the
+    nearest frame of this repository's code (``record_shapes`` / ``with_stack``), most CUDA time first."""
+    found: dict[str, dict[str, float]] = {}
+    for e in prof.events():
+        hits = [k for k in getattr(e, "kernels", []) if k.name in kernels]
+        if not hits:
+            continue
+        frame = next((f for f in (e.stack or []) if "/k3/" in f), "")
+        where = f"{e.name} {e.input_shapes} at {frame.split('/k3/')[-1]}"
+        for k in hits:
+            found.setdefault(k.name, {})
+            found[k.name][where] = found[k.name].get(where, 0.0) + k.duration / 1e3
+    return {k: [f"{ms:.1f} ms: {w}" for w, ms in sorted(v.items(), key=lambda i: -i[1])[:per_kernel]]
+            for k, v in found.items()}
 
 
 def one_mode(name: str, cfg, ids: torch.Tensor, labels: torch.Tensor, cu: torch.Tensor, rank: int,
@@ -120,11 +138,12 @@ def one_mode(name: str, cfg, ids: torch.Tensor, labels: torch.Tensor, cu: torch.
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
 
-        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True,
+                           with_stack=True) as prof:
             step()
             torch.cuda.synchronize()
         kernels = top_kernels(prof, profile)
-    del model, lora, params
+    model = lora = params = None  # freed before the next mode builds its model (the closure holds them too)
     gc.collect()
     torch.cuda.empty_cache()
     return {"mode": name, "held_gib": held / GIB, "peak_gib": peak / GIB, "step_peak_gib": (peak - held) / GIB,
@@ -154,6 +173,8 @@ def run(args: argparse.Namespace) -> dict:
               f"{r['forward_s']:.2f} s", flush=True)
         for k in r["top_kernels"]:
             print(f"    {k['cuda_ms']:9.1f} ms {k['share']:6.1%} {k['calls']:6d}×  {k['kernel']}", flush=True)
+            for line in k.get("launched_by", []):
+                print(f"              {line}", flush=True)
     first = rows[0]["step_peak_gib"]
     for r in rows:
         r["step_peak_vs_first"] = r["step_peak_gib"] / first

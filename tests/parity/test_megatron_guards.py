@@ -208,7 +208,8 @@ def _tp2_checks(root: Path, out: dict, rank: int) -> None:
         x = logits.clone().requires_grad_(True)
         o = token_outputs(x, labels, with_entropy=True, chunk_size=size)
         (o.log_probs * weight).sum().backward()
-        got = {"log_probs": o.log_probs.detach(), "entropy": o.entropy, "grad": x.grad}
+        got = {"log_probs": o.log_probs.detach(), "entropy": o.entropy, "grad": x.grad,
+               "entropy_has_graph": o.entropy.requires_grad}
         # Memory, with BF16 logits (as on the GPU), so every float32 [..., vocab/TP] tensor is a temporary of the
         # log-softmax: the largest made in the forward and backward, and the largest autograd keeps between them.
         saved = [0]
@@ -466,6 +467,8 @@ def test_vocab_parallel_log_prob_chunks_equal_one_pass_with_less_memory(ranks, s
         assert (whole["largest"], whole["largest_no_grad"], whole["saved"]) == (everything, everything, everything)
         assert (got["largest"], got["largest_no_grad"]) == (one, one)
         assert got["saved"] == 0  # the checkpointed chunks keep only their BF16 input slices
+        # the entropy is a metric: no graph keeps its float32 temporaries until the backward
+        assert not whole["entropy_has_graph"] and not got["entropy_has_graph"]
 
 
 @pytest.mark.slow

@@ -98,3 +98,23 @@ def test_a_torch_trainer_in_the_regions_exports_while_asleep_and_trains_after_wa
     worker.wake_up()
     assert worker.log_probs(trajs) == log_probs
     worker.train_step(trajs)
+
+
+def test_retained_backups_carry_each_sleeps_values(regions):
+    """The saver keeps its pinned backups across resumes (``retain_cpu_backup``): every later sleep refreshes them in
+    place, so what a wake brings back is what the parameters held at that sleep, not at the first one."""
+    from k3.rl.trainers.megatron import DDPGradBuffers
+    from k3.rl.trainers.memory_regions import TrainerMemory
+
+    assert regions.saver.retain_cpu_backup
+    torch.manual_seed(1)
+    with regions.params():
+        model = Frozen()
+    memory = TrainerMemory(regions, model, DDPGradBuffers([]), "cuda")
+    for cycle in range(3):
+        with torch.no_grad():
+            model.adapter.add_(1.0)
+        want = model.adapter.detach().cpu()
+        memory.sleep()
+        memory.wake_up()
+        assert torch.equal(model.adapter.detach().cpu(), want), cycle

@@ -75,7 +75,11 @@ class TrainerMemoryError(RuntimeError):
 
 
 def load_memory_saver() -> Any:
-    """torch_memory_saver's singleton in hook mode ``"torch"`` (imported here only; set before its first use)."""
+    """torch_memory_saver's singleton in hook mode ``"torch"`` (imported here only; set before its first use), its
+    pinned CPU backups retained across resumes (``retain_cpu_backup``): each pause then copies into the host buffer
+    the last one made instead of allocating 12.6 GB of pinned memory anew. On the first smoke-gpu run (H100,
+    2026-12-05, 4layer slice, without retention) a sleep took 6.6–7.1 s and a wake 2.1–2.8 s. Retention keeps that
+    host memory between sleeps; a sleep needs it anyway."""
     try:
         from torch_memory_saver import torch_memory_saver
     except ImportError:
@@ -84,6 +88,8 @@ def load_memory_saver() -> Any:
                           "the trainer resident") from None
     if getattr(torch_memory_saver, "_impl", None) is None:  # the hook mode can be set only before first use
         torch_memory_saver.hook_mode = "torch"
+    if not torch_memory_saver.retain_cpu_backup:
+        torch_memory_saver.retain_cpu_backup = True
     return torch_memory_saver
 
 
