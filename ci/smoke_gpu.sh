@@ -54,6 +54,14 @@
 #     (k3/megatron/parallel.py), and the memory readings carry each phase's peak (memory/peak_allocated_gb), so the
 #     next run says what the training step needs. The second run (190d91b, budget 0.2) ran out while the trainer
 #     was being built: the ~2.3 GiB the first run had free there went to the communicators. Hence 35 GiB.
+#   - the third run (2026-12-05, an 80 GB H100, bf78754, 35 GiB): the dance ran whole and every training step fit
+#     (peak allocated 21.5 GB), but a cycle took 81 s, so 4 of the 20 rollouts fit the training limit: generation
+#     4.1 s, log-probs 8.7 s, the training step 47 s, the engine's weight release 8.4-9.7 s and return 2.1-2.6 s,
+#     the trainer's sleep 6.6-7.1 s and wake 2.1-2.8 s. Since: o_proj's GEMM no longer runs as one GEMM per token
+#     (k3/megatron/sequence_major.py: 77% of a training step's GPU time, bench/gpu_recompute.py --profile), the
+#     engine's weight backup is pinned and reused, the trainer's saver keeps its pinned backups. The trainer also
+#     kept 1.46 GB on the device while asleep after training (0.08 GB before any step); its readings now say what
+#     lies outside the saver's regions (memory/default_pool_*).
 #
 # Variables: K3_PYTHON; SMOKE_GPU_EXPERTS (8); SMOKE_GPU_MEMORY_GIB (35); SMOKE_GPU_CONTEXT_GIB (1.5);
 # SMOKE_GPU_BALLAST (1; 0: no budget, each actor capped only); K3_NUM_ROLLOUT (20); SMOKE_GPU_RESPONSE_LEN (512);

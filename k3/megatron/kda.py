@@ -31,6 +31,7 @@ from k3.megatron.context_parallel import cp_causal_conv, cp_kda_core
 from k3.megatron.linears import ColumnParallel, DuplicatedLinear, RowParallel, enter_tp_region, mark_grad_sum
 from k3.megatron.packed import packed_causal_conv, sequence_bounds
 from k3.megatron.recompute import checkpointed
+from k3.megatron.sequence_major import swap_batch_and_sequence
 from k3.megatron.sharded_state import tp_sharded_state_dict
 from k3.model.kda import CausalConv1d, kda_gate, l2_normalize
 from k3.model.norm import GatedRMSNorm
@@ -95,7 +96,7 @@ class K3KDAttention(KeepsFloat32, MegatronModule):
     def forward(self, hidden: torch.Tensor, packed_seq_params=None) -> torch.Tensor:
         """``hidden [s/tp, b, hidden]`` (normed) -> attention output, same layout (``s``: this CP rank's tokens).
         ``packed_seq_params``: megatron's THD bounds of the packed sequences (batch 1), or None."""
-        x = enter_tp_region(hidden, self.config, self.tp_group).transpose(0, 1).contiguous()  # [b, s, hidden]
+        x = swap_batch_and_sequence(enter_tp_region(hidden, self.config, self.tp_group))  # [b, s, hidden]
         b, s, _ = x.shape
         cu = sequence_bounds(packed_seq_params)
         if cu is not None and b != 1:
@@ -123,7 +124,7 @@ class K3KDAttention(KeepsFloat32, MegatronModule):
 
         o = checkpointed(self.config, "core_attn", self.training, core, q, k, v, g, beta)
         o = self.o_norm(o, self.g_proj(x).view(heads), out_dtype=x.dtype)
-        return self.o_proj(o.reshape(b, s, -1).transpose(0, 1).contiguous())
+        return self.o_proj(swap_batch_and_sequence(o.reshape(b, s, -1)))
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         axes = {name: 0 for name in _HEAD_SPLIT}

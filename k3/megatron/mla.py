@@ -24,6 +24,7 @@ from k3.megatron.context_parallel import cp_causal_attention
 from k3.megatron.linears import ColumnParallel, DuplicatedLinear, RowParallel, enter_tp_region, mark_grad_sum
 from k3.megatron.packed import packed_causal_attention, sequence_bounds
 from k3.megatron.recompute import checkpointed
+from k3.megatron.sequence_major import swap_batch_and_sequence
 from k3.megatron.sharded_state import tp_sharded_state_dict
 from k3.model.norm import RMSNorm
 
@@ -65,7 +66,7 @@ class K3MLAttention(MegatronModule):
     def forward(self, hidden: torch.Tensor, packed_seq_params=None) -> torch.Tensor:
         """``hidden [s/tp, b, hidden]`` (normed) -> attention output, same layout (``s``: this CP rank's tokens).
         ``packed_seq_params``: megatron's THD bounds of the packed sequences (batch 1), or None."""
-        x = enter_tp_region(hidden, self.config, self.tp_group).transpose(0, 1).contiguous()  # [b, s, hidden]
+        x = swap_batch_and_sequence(enter_tp_region(hidden, self.config, self.tp_group))  # [b, s, hidden]
         b, s, _ = x.shape
         cu = sequence_bounds(packed_seq_params)
         if cu is not None and b != 1:
@@ -88,7 +89,7 @@ class K3MLAttention(MegatronModule):
 
         o = checkpointed(self.config, "core_attn", self.training, core, q, k, v)
         o = o.transpose(1, 2).reshape(b, s, nh * self.v_dim) * torch.sigmoid(self.g_proj(x))
-        return self.o_proj(o.transpose(0, 1).contiguous())
+        return self.o_proj(swap_batch_and_sequence(o))
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         axes = {"q_b_proj.weight": 0, "kv_b_proj.weight": 0, "g_proj.weight": 0, "o_proj.weight": 1}

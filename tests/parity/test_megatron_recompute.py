@@ -32,6 +32,8 @@ GRAD_REL = 1e-5  # the same float32 math recomputed; only the order of gradient 
 def _held_and_grads(name: str, cfg, ref) -> dict:
     from test_megatron_parallel import _with_random_B
 
+    from megatron.core import tensor_parallel
+
     from k3.lora import LoRAConfig
     from k3.megatron.checkpoint import load_hf_state_dict
     from k3.megatron.config import k3_transformer_config
@@ -64,12 +66,28 @@ def _held_and_grads(name: str, cfg, ref) -> dict:
             held[storage.data_ptr()] = storage.nbytes()
         return t
 
+    strided: dict[str, list] = {}  # megatron linear -> the (shape, strides) of its inputs that torch.matmul cannot fold
+
+    def note_input(name):
+        def hook(module, args):
+            x = args[0]
+            if x.stride() != torch.empty(x.shape).stride():
+                strided.setdefault(name, []).append((tuple(x.shape), x.stride()))
+        return hook
+
+    hooks = [m.register_forward_pre_hook(note_input(n)) for n, m in model.named_modules()
+             if isinstance(m, (tensor_parallel.ColumnParallelLinear, tensor_parallel.RowParallelLinear))]
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         logits = model(ids, None, None, packed_seq_params=params)
         loss = (logits.float() * weight).sum() / ids.numel()
+    for h in hooks:
+        h.remove()
     held_bytes, saved = sum(held.values()), count[0]
     loss.backward()
-    return {"held_bytes": held_bytes, "saved": saved, "loss": loss.item(), "grads": gather_lora(model, grads=True)}
+    return {"held_bytes": held_bytes, "saved": saved, "loss": loss.item(), "grads": gather_lora(model, grads=True),
+            "linears": sum(1 for m in model.modules() if isinstance(m, (tensor_parallel.ColumnParallelLinear,
+                                                                           tensor_parallel.RowParallelLinear))),
+            "strided_inputs": strided}
 
 
 def _worker(out_path: str) -> None:
@@ -113,6 +131,14 @@ def test_recompute_keeps_the_loss_and_every_lora_gradient(results, name):
     for k, g in base["grads"].items():
         assert g.norm() > 0, k  # every adapter gets a gradient: the checkpoints let it through
         assert _rel(got["grads"][k], g) < GRAD_REL, k
+
+
+@pytest.mark.parametrize("name", ["none", "packed_none"])
+def test_every_megatron_linear_gets_an_input_torch_matmul_folds_into_one_gemm(results, name):
+    """Canonical strides on every input of megatron's column/row-parallel linears (k3/megatron/sequence_major.py):
+    otherwise torch.matmul runs one GEMM per token, re-reading the weight; the packed batch (b = 1) is the case."""
+    assert results[name]["linears"] > 10
+    assert results[name]["strided_inputs"] == {}
 
 
 def test_full_recompute_holds_far_fewer_activations(results):

@@ -113,3 +113,28 @@ def test_progress_refuses_bad_use():
                                            (7620, "2h07m"), (-3, "0s")])
 def test_durations_read_in_two_units(seconds, text):
     assert format_duration(seconds) == text
+
+
+def test_a_resumed_attempt_wins_when_its_file_number_has_more_digits(tmp_path):
+    """torch names event files ``…<seconds>.<host>.<pid>.<n>``, ``n`` counting the process's writers: a plain name
+    sort read the 10th file before the 9th, and the killed attempt's rerun rollouts won (a flaky failure under
+    xdist, where a worker had made 9 writers before)."""
+    from harness.readers.tensorboard import event_file_order
+
+    board = tmp_path / TENSORBOARD_DIR
+    with MetricsWriter(tmp_path) as writer:
+        for rid in range(3):
+            _write_cycle(writer, rid, 0.1 * (rid + 1))
+    (first,) = board.rglob("events.out.tfevents.*")
+    first.rename(first.with_name("events.out.tfevents.1796461529.host.a.b.77.9"))
+    with MetricsWriter(tmp_path) as writer:
+        writer.write("status", None, status="resumed", checkpoint="adapters/rollout_000000", next_rollout=1)
+        for rid in range(1, 4):
+            _write_cycle(writer, rid, 0.9 - 0.1 * rid)
+    second = next(f for f in board.rglob("events.out.tfevents.*") if not f.name.endswith(".9"))
+    second.rename(second.with_name("events.out.tfevents.1796461529.host.a.b.77.10"))
+    names = sorted(f.name for f in board.rglob("events.out.tfevents.*"))
+    assert names[0].endswith(".10")  # what a plain sort does
+    assert [p.name[-2:] for p in sorted(board.rglob("events.out.tfevents.*"), key=event_file_order)] == [".9", "10"]
+    series = _read_back(board).series("rollout/raw_reward")
+    assert {r: round(p.value, 6) for r, p in series.items()} == {0: 0.1, 1: 0.8, 2: 0.7, 3: 0.6}

@@ -54,7 +54,7 @@ from typing import Any, ContextManager
 import torch
 from torch import nn
 
-from k3.transport.device_memory import memory_reading
+from k3.transport.device_memory import default_pool_usage, memory_reading
 from k3.transport.leakcheck import release_freed_heap
 
 __all__ = ["GRAD_BUFFER_TAG", "PARAMS_TAG", "SAVER_PIN", "GradBuffers", "HostRegions", "ParamGrads", "Regions",
@@ -243,7 +243,12 @@ class TrainerMemory:
         return resident_bytes([*self.model.parameters(), *self.grads.tensors()])
 
     def reading(self, phase: str) -> dict[str, Any]:
-        return memory_reading(phase, self.device, self.resident_bytes(), rank=self.rank)
+        """The memory event of ``phase``; on CUDA with the saver's regions, also what lies outside them
+        (``default_pool_usage``: what a sleep leaves on the device)."""
+        record = memory_reading(phase, self.device, self.resident_bytes(), rank=self.rank)
+        if self.regions.captures and self.device.type == "cuda":
+            record.update(default_pool_usage(self.device))
+        return record
 
     def check_awake(self, what: str) -> None:
         """Raise :class:`TrainerMemoryError` unless the parameters and gradient buffers are all in place."""
