@@ -37,6 +37,7 @@ from k3.megatron.packed import packed_seq_params
 from k3.megatron.packing import packed_bounds
 from k3.megatron.parallel import init_parallel
 from k3.megatron.recompute import Recompute
+from k3.rl.step_profile import profile_call, summary_text
 from k3.settings.parallel import ParallelLayout
 
 MODES = {
@@ -53,36 +54,6 @@ def k3_slice(experts: int, topk: int, vocab: int):
     """The 4layer variant (full width) with ``experts`` routed experts, top ``topk``, and a ``vocab`` vocabulary."""
     return variant("4layer").replace(quantization_config=None, num_experts=experts, num_experts_per_token=topk,
                                      vocab_size=vocab)
-
-
-def top_kernels(prof, n: int) -> list[dict]:
-    """The ``n`` operators with the most CUDA time under ``prof`` (a finished ``torch.profiler.profile``): name,
-    calls, total CUDA ms, and the share of all CUDA time; first a row for all of it (against the step's wall time it
-    says whether the GPU waited on the host)."""
-    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    total = sum(e.self_device_time_total for e in events) or 1.0
-    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
-    whole = {"kernel": "(all CUDA time)", "calls": sum(e.count for e in events), "cuda_ms": total / 1e3, "share": 1.0}
-    launchers = _launchers(prof, {e.key for e in events[:5]})
-    return [whole] + [{"kernel": e.key[:90], "launched_by": launchers.get(e.key, []), "calls": e.count, "cuda_ms": e.self_device_time_total / 1e3,
-             "share": e.self_device_time_total / total} for e in events[:n]]
-
-
-def _launchers(prof, kernels: set[str], per_kernel: int = 3) -> dict[str, list[str]]:
-    """For each kernel in ``kernels``: the innermost operators that launched it, with their input shapes and the
-    nearest frame of this repository's code (``record_shapes`` / ``with_stack``), most CUDA time first."""
-    found: dict[str, dict[str, float]] = {}
-    for e in prof.events():
-        hits = [k for k in getattr(e, "kernels", []) if k.name in kernels]
-        if not hits:
-            continue
-        frame = next((f for f in (e.stack or []) if "/k3/" in f), "")
-        where = f"{e.name} {e.input_shapes} at {frame.split('/k3/')[-1]}"
-        for k in hits:
-            found.setdefault(k.name, {})
-            found[k.name][where] = found[k.name].get(where, 0.0) + k.duration / 1e3
-    return {k: [f"{ms:.1f} ms: {w}" for w, ms in sorted(v.items(), key=lambda i: -i[1])[:per_kernel]]
-            for k, v in found.items()}
 
 
 def one_mode(name: str, cfg, ids: torch.Tensor, labels: torch.Tensor, cu: torch.Tensor, rank: int,
@@ -133,16 +104,9 @@ def one_mode(name: str, cfg, ids: torch.Tensor, labels: torch.Tensor, cu: torch.
         model(ids, None, None, packed_seq_params=params)
         torch.cuda.synchronize()
         forward_s = time.perf_counter() - t0
-    kernels = []
-    if profile:
-        from torch.profiler import ProfilerActivity
-        from torch.profiler import profile as torch_profile
-
-        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True,
-                           with_stack=True) as prof:
-            step()
-            torch.cuda.synchronize()
-        kernels = top_kernels(prof, profile)
+    kernels = None
+    if profile:  # where the step's time goes: the top kernels and the code that launched them
+        _, kernels = profile_call(step, top=profile)
     model = lora = params = None  # freed before the next mode builds its model (the closure holds them too)
     gc.collect()
     torch.cuda.empty_cache()
@@ -171,10 +135,8 @@ def run(args: argparse.Namespace) -> dict:
         rows.append(r)
         print(f"{name}: step peak {r['step_peak_gib']:.2f} GiB, step {r['step_s']:.2f} s, forward "
               f"{r['forward_s']:.2f} s", flush=True)
-        for k in r["top_kernels"]:
-            print(f"    {k['cuda_ms']:9.1f} ms {k['share']:6.1%} {k['calls']:6d}×  {k['kernel']}", flush=True)
-            for line in k.get("launched_by", []):
-                print(f"              {line}", flush=True)
+        if r["top_kernels"] is not None:
+            print(summary_text(r["top_kernels"], f"{name}: one profiled step"), flush=True)
     first = rows[0]["step_peak_gib"]
     for r in rows:
         r["step_peak_vs_first"] = r["step_peak_gib"] / first
@@ -205,7 +167,8 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=32, help="LoRA rank")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {list(MODES)}")
     p.add_argument("--profile", type=int, default=0, metavar="N",
-                   help="profile one more step per mode and list its N most expensive CUDA operators")
+                   help="profile one more step per mode and list its N most expensive CUDA kernels, with the "
+                        "operators and code that launched them (k3.rl.step_profile)")
     p.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
     run(p.parse_args())
 

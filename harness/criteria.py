@@ -756,7 +756,7 @@ def _cycle_time_within(c: Criterion, run: RunData) -> Result:
         return _not_yet(c, run, f"no cycle time for cycle(s) {', '.join(map(str, absent[:5]))}", **evidence)
     text = f"{len(values)} cycles in [{_fmt(lo)}, {_fmt(hi)}] {unit}: {stats}"
     if excluded:
-        text += f"; {len(excluded)} left out (eval of unknown length)"
+        text += f"; left out: {'; '.join(f'cycle {i} {why}' for i, why in sorted(excluded.items()))}"
     if c.window.open and not run.finished:
         return Result(c, Status.PENDING, text + " so far", False, evidence)
     return Result(c, Status.PASS, text, True, evidence)

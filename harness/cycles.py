@@ -12,6 +12,9 @@ is about the loop), so it is taken out. Three ways to get it, the first one the 
 3. The times of events: cycle N = time of the sync event of rollout N − time of the previous sync event
    (rollout events when there are no sync events), minus the ``perf/eval_time`` of evals logged in between;
    a cycle holding an eval of unknown duration is left out.
+
+Whatever the rule, a cycle whose training step ran under the profiler (``perf/profiled_step`` on its ``train``
+event: ``k3 train --profile-train-step``) is left out too: the profiler's own cost is in its time.
 """
 
 from __future__ import annotations
@@ -20,11 +23,12 @@ from dataclasses import dataclass, field
 
 from harness.run_data import Point, RunData
 
-__all__ = ["Cycle", "CycleTimes", "cycle_times", "EVAL_TIME", "CYCLE_TIME", "STEP_TIME"]
+__all__ = ["Cycle", "CycleTimes", "cycle_times", "EVAL_TIME", "CYCLE_TIME", "STEP_TIME", "PROFILED_STEP"]
 
 CYCLE_TIME = "perf/cycle_time"
 STEP_TIME = "perf/step_time"
 EVAL_TIME = "perf/eval_time"
+PROFILED_STEP = "perf/profiled_step"
 
 
 @dataclass(frozen=True)
@@ -44,16 +48,25 @@ class CycleTimes:
 
 
 def cycle_times(run: RunData) -> CycleTimes:
-    """The run's cycle times by the first rule it supports (see the module doc)."""
+    """The run's cycle times by the first rule it supports, profiled cycles left out (see the module doc)."""
     logged = run.series(CYCLE_TIME)
     if logged:
         out = CycleTimes(CYCLE_TIME)
         for i, p in logged.items():
             out.cycles[i] = Cycle(i, p.value, 0.0, p.seq, p.where)
-        return out
-    if run.series(STEP_TIME):
-        return _from_step_time(run)
-    return _from_event_times(run)
+    elif run.series(STEP_TIME):
+        out = _from_step_time(run)
+    else:
+        out = _from_event_times(run)
+    for i, p in run.series(PROFILED_STEP).items():
+        if i in out.cycles:
+            del out.cycles[i]
+            out.excluded[i] = f"its optimizer step {_fmt_step(p.value)} ran under the profiler"
+    return out
+
+
+def _fmt_step(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)
 
 
 def _eval_points(run: RunData) -> list[Point]:

@@ -295,7 +295,7 @@ def cycle_figure(results: Sequence[Result], run: RunData) -> bytes | None:
     if times.excluded:
         bottom = min(ys + [c["lo"]]) * 0.98
         ax.plot(sorted(times.excluded), [bottom] * len(times.excluded), "^", color=MUTED,
-                label="left out (eval of unknown length)")
+                label="left out (eval of unknown length, or profiled)")
     r = results[0]
     if "median" in r.evidence:
         ax.axhline(r.evidence["median"], color=LINE, linestyle=":", label=f"median {r.evidence['median']:.2f}")

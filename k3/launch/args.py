@@ -118,6 +118,11 @@ class TrainArgs:
     external_ray: bool = opt(False, "join the running Ray cluster (RAY_ADDRESS or auto) instead of starting one",
                              group="cluster")
     extra_env_vars: str = opt("", "extra KEY=VALUE pairs (space-separated) for every Ray worker", group="cluster")
+    profile_train_step: int | None = opt(
+        None, "run optimizer step N (0 = the first) under torch.profiler on every trainer rank and write where its "
+        "time went to <run_dir>/profile/train_step_N_rank<R>.txt (and .json): the most expensive GPU kernels (CPU "
+        "operators without a GPU), each with the operators, input shapes and line of code that launched it; the "
+        "step itself runs as usual, a little slower (default: none)", group="logging", ours=True)
     cuda_core_dump: bool = opt(False, "write a CUDA core dump to --output-dir when a kernel faults",
                                group="cluster")
     distributed_timeout_minutes: int = opt(10, "timeout of collective operations, minutes", group="cluster")
@@ -497,6 +502,7 @@ def resolve(args: TrainArgs) -> ResolvedConfig:
             ref_load=a.ref_load,
             max_tokens_per_gpu=a.max_tokens_per_gpu,
             distributed_timeout_minutes=a.distributed_timeout_minutes,
+            profile_train_step=a.profile_train_step,
         ),
     )
     return ResolvedConfig(args=a, settings=settings, env=env, notes=tuple(notes))
@@ -583,6 +589,11 @@ def _validate_batches(a: TrainArgs, layout: ParallelLayout) -> None:
     if a.global_batch_size % layout.data_parallel_size:
         raise _fail(f"--global-batch-size {a.global_batch_size} must be a multiple of the data-parallel size "
                     f"{layout.data_parallel_size}")
+    steps = a.num_rollout * (per_rollout // a.global_batch_size)
+    if a.profile_train_step is not None and not 0 <= a.profile_train_step < steps:
+        raise _fail(f"--profile-train-step {a.profile_train_step}: this run makes {steps} optimizer steps "
+                    f"(--num-rollout {a.num_rollout} × {per_rollout // a.global_batch_size} per rollout): use 0 to "
+                    f"{steps - 1}")
 
 
 def _optimizer(a: TrainArgs, notes: list[str]) -> OptimizerSettings:

@@ -125,6 +125,8 @@ _ENTRIES: tuple[ResolvedKey, ...] = (
     _applied("distributed_timeout_minutes", "timeout of every process group's collectives", LOOP, WORKER,
              MEGATRON_POLICY, "k3/megatron/parallel.py"),
     _applied("env", "the environment of every Ray worker (JSON only)", ("k3/launch/placement.py", "env")),
+    _applied("profile_train_step", "the optimizer step every trainer rank runs under torch.profiler (None: none)",
+             LOOP, WORKER),
     # ------------------------------------------------------------------ parallelism
     _derived("pipeline_parallel_size", "pipeline stages asked for", ("pipeline_model_parallel_size",
              "pipeline_layers", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",

@@ -41,6 +41,7 @@ from k3.rl.progress import RolloutProgress
 from k3.rl.resume import (latest_checkpoint, load_checkpoint_state, load_optimizer_state, next_sync_index,
                           save_checkpoint)
 from k3.rl.reward.reward import get_reward_fn
+from k3.rl.step_profile import PROFILE_DIR, PROFILED_STEP
 from k3.rl.trainer_worker import TrainerWorker
 from k3.rl.trainers.group import TrainerGroup, is_trainer_group
 from k3.rl.trainers.trajectory import Trajectory
@@ -234,14 +235,17 @@ class Loop:
         trainer_lp = [lp for o in old for lp in o]
         t0 = time.perf_counter()
         train_metrics: dict[str, float] = {}
+        profiled: dict[str, float] = {}  # the profiled step's index, whichever step of the rollout it was
         gbs = s.global_batch_size
         for start in range(0, len(trajs), gbs):  # one optimizer step per global batch
             train_metrics = self._rank0(self.trainer.call("train_step", trajs[start:start + gbs]))
+            if PROFILED_STEP in train_metrics:
+                profiled = {PROFILED_STEP: train_metrics.pop(PROFILED_STEP)}
             # Every rank's replicas of every adapter tensor, after every step (k3.rl.replicas)
             for replicas in _rank_list(self.trainer.call("replica_digests")):
                 self.w.write("replicas", rollout_id, **replicas)
         train_time = time.perf_counter() - t0
-        self.w.write("train", rollout_id, **train_metrics, **{
+        self.w.write("train", rollout_id, **train_metrics, **profiled, **{
             "perf/train_time": train_time,
             "perf/log_probs_time": log_probs_time,
             "perf/offload_time": offload_time,
@@ -418,7 +422,8 @@ def worker_spec(s: RunSettings) -> WorkerSpec:
                       check_for_nan_in_loss_and_grad=t.check_for_nan_in_loss_and_grad,
                       distributed_timeout_minutes=t.distributed_timeout_minutes,
                       log_probs_chunk_size=t.log_probs_chunk_size,
-                      offload_train=s.colocate.offload_train)
+                      offload_train=s.colocate.offload_train,
+                      profile_train_step=t.profile_train_step, profile_dir=str(Path(s.run_dir) / PROFILE_DIR))
 
 
 def _wandb_run(s: RunSettings, config: Mapping[str, Any] | None):

@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 from datetime import timedelta
 from multiprocessing.connection import Client, Connection
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from k3.lora.digest import chunk_digest
 from k3.lora.export import export_chunks, load_peft_adapter, save_peft_adapter
 from k3.rl.grpo import GRPOConfig, load_torch_optimizer_state, optimizer_kind
 from k3.rl.replicas import replica_digests
+from k3.rl.step_profile import PROFILED_STEP, profile_call, write_profile
 from k3.rl.trainers.megatron import build_megatron_policy
 from k3.rl.trainers.memory_regions import TrainerMemory, TrainerMemoryError, resident_bytes, trainer_regions
 from k3.rl.trainers.torch import PolicyTrainer
@@ -196,7 +198,14 @@ class TrainerWorker:
 
     def train_step(self, trajs: list[Trajectory]) -> dict[str, float]:
         self._awake("train_step")
-        return self.policy.train_step(trajs)
+        step = self.spec.profile_train_step
+        if step is None or self.policy.steps != step or self.spec.profile_dir is None:
+            return self.policy.train_step(trajs)
+        stats, summary = profile_call(lambda: self.policy.train_step(trajs))
+        where = write_profile(summary, Path(self.spec.profile_dir), f"train_step_{step}_rank{self.rank}",
+                              f"optimizer step {step}, trainer rank {self.rank}, {len(trajs)} samples")
+        print(f"trainer rank {self.rank}: optimizer step {step} profiled: {where}", flush=True)
+        return {**stats, PROFILED_STEP: float(step)}  # the harness leaves this cycle's time out
 
     def replica_digests(self) -> dict[str, Any]:
         """After an optimizer step: ``{"rank", "step", "digests": {label: digest}}`` of every adapter tensor this

@@ -145,7 +145,9 @@ class TrainingSettings:
     train step (both backends; :data:`NO_LOG_PROBS_CHUNKING`: one pass); ``check_for_nan_in_loss_and_grad``: a NaN
     or Inf in a loss or a rank's gradients stops the run naming the rank and the optimizer step (both backends);
     ``distributed_timeout_minutes``: the timeout of every collective of the trainer's process groups (megatron;
-    the torch backend has none)."""
+    the torch backend has none). ``profile_train_step``: the optimizer step (0 = the run's first) each trainer
+    rank runs under ``torch.profiler`` and summarises into the run's ``profile/`` folder (``k3.rl.step_profile``);
+    None: none."""
 
     num_steps_per_rollout: int
     use_dynamic_batch_size: bool
@@ -161,9 +163,13 @@ class TrainingSettings:
     ref_load: str | None = None
     max_tokens_per_gpu: int = 8192
     distributed_timeout_minutes: int = 10
+    profile_train_step: int | None = None
 
     def __post_init__(self) -> None:
         check_log_probs_chunk_size(self.log_probs_chunk_size)
+        step = self.profile_train_step
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+            raise ValueError(f"profile_train_step={step!r}: expected an optimizer step index >= 0, or None")
         if isinstance(self.distributed_timeout_minutes, bool) or not isinstance(self.distributed_timeout_minutes, int) \
                 or self.distributed_timeout_minutes < 1:
             raise ValueError(f"distributed_timeout_minutes={self.distributed_timeout_minutes!r}: expected whole "

@@ -53,3 +53,7 @@ class WorkerSpec:
     distributed_timeout_minutes: float = 10
     log_probs_chunk_size: int = -1  # k3.settings.train.NO_LOG_PROBS_CHUNKING
     offload_train: bool = False  # the trainer's memory regions and sleep / wake_up (--offload-train)
+    # The optimizer step each trainer rank runs under torch.profiler (--profile-train-step), and the folder its
+    # summary goes to (the run's profile/); None: none.
+    profile_train_step: int | None = None
+    profile_dir: str | None = None

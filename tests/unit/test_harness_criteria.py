@@ -327,6 +327,18 @@ def test_cycle_time_within_reports_median_and_worst(tmp_path):
     assert evaluate(c, scalar_run("perf/cycle_time", {1: 720.0}, finished=False)).status is Status.PENDING
 
 
+def test_a_profiled_cycle_is_left_out_and_named():
+    """``k3 train --profile-train-step``: the profiler's cost is in that cycle's time, so it is not judged."""
+    c = crit("cycle_time_within", metric="perf/cycle_time", window=[1, -1], lo=10, hi=17, unit="s")
+    seconds = {0: 60.0, 1: 12.0, 2: 31.0, 3: 13.0}
+    run = scalar_run("perf/cycle_time", seconds, perf__profiled_step={2: 1.0})
+    r = evaluate(c, run)
+    assert r.status is Status.PASS, r.summary
+    assert r.evidence["excluded"] == {2: "its optimizer step 1 ran under the profiler"}
+    assert r.summary.endswith("; left out: cycle 2 its optimizer step 1 ran under the profiler")
+    assert evaluate(c, scalar_run("perf/cycle_time", seconds)).status is Status.FAIL  # unmarked, it counts
+
+
 # --- scenarios --------------------------------------------------------------------------------------------
 def judge(tmp_path: Path, s: H.Scenario, tier: str = "full", profile: str | None = "gb300", log: bool = False):
     path = H.write_recipe_log(tmp_path / "train.log", s) if log else H.write_run_dir(tmp_path / "run", s)

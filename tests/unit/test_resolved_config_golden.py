@@ -7,7 +7,8 @@ optimizer prints ``adam`` in debug_minimal too (what both trainers build), ``sav
 key only another backend or engine applies prints its off value (``k3.launch.resolved_keys``). Then, when
 the recipe's debug_minimal SGD became real (the default tiny and full resolves are debug_minimal): they print
 ``optimizer sgd`` and ``sgd_momentum 0.0`` with the Adam betas off (``None``), and the normal-mode resolve prints
-``sgd_momentum None``.
+``sgd_momentum None``. Then once more for one added key: ``profile_train_step`` (``--profile-train-step``, None by
+default).
 
 The ``LD_PRELOAD`` shim is stubbed (resolve builds it where a GPU run asks for it; whether a C compiler is there
 would otherwise decide ``ipc_unlink_shim``), and ``SLURM_JOB_NUM_NODES`` is unset (the default of --num-nodes).

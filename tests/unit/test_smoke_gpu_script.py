@@ -102,7 +102,7 @@ def _train_args(**values: str) -> list[str]:
     return shlex.split(block)
 
 
-VALUES = dict(ROLLOUTS="20", RESPONSE_LEN="512", BUDGET_GIB="35", WORK="/work", RUN="/run")
+VALUES = dict(ROLLOUTS="20", RESPONSE_LEN="512", BUDGET_GIB="35", WORK="/work", RUN="/run", PROFILE_STEP="1")
 
 
 @pytest.fixture
@@ -125,6 +125,7 @@ def test_the_train_flags_resolve_to_the_tier_s_configuration(no_shim):
     assert r.args.rollout_max_concurrency == 64  # one generation pass per rollout
     assert r.optimizer.optimizer == "adam" and r.args.eval_interval is None
     assert r.colocate.offload_rollout_level == ("kv_cache", "weight")
+    assert r.settings.training.profile_train_step == 1  # the second step is profiled: its summary comes back
 
 
 def test_without_the_dance_the_engine_releases_nothing(no_shim):
@@ -143,9 +144,9 @@ def test_the_script_judges_by_the_gpu_tier_and_writes_what_comes_back():
     assert "harness.cli report \"$RUN\" --tier gpu --finished --out \"$OUT/report.html\"" in text
     assert '--markdown "$OUT/summary.md"' in text
     # the device brings back at most 8 files of $OUT, 2 folders deep
-    written = set(re.findall(r'\$OUT/([\w.]+)', text)) | {"metrics.jsonl", "resolved_config.txt"}
+    written = set(re.findall(r'\$OUT/([\w.${}]+)', text)) | {"metrics.jsonl", "resolved_config.txt"}
     assert written == {"smoke_gpu.log", "verdict.json", "summary.md", "report.html", "metrics.jsonl",
-                       "resolved_config.txt"}
+                       "resolved_config.txt", "train_step_${PROFILE_STEP}_rank0.txt"}
     assert "RUN=${SMOKE_GPU_RUN_DIR:-$WORK/run}" in text  # the run's own many files stay out of $OUT
     assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
 

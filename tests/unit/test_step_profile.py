@@ -1,0 +1,89 @@
+"""``--profile-train-step``: one optimizer step under torch.profiler, summarised with what launched each entry
+(k3/rl/step_profile.py), the flag checked at launch, and a trainer rank writing its summary at that step only."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from layout_parity import trajectories
+from tiny_checkpoint import write_tiny_checkpoint
+
+from k3.kernels.grouped_mm import grouped_mm_reference
+from k3.launch.args import LaunchConfigError, TrainArgs, resolve
+from k3.lora import LoRAConfig
+from k3.rl.grpo import GRPOConfig
+from k3.rl.step_profile import profile_call, summary_text, write_profile
+from k3.settings.train import TrainingSettings
+from k3.settings.worker import WorkerSpec
+
+
+def _work() -> torch.Tensor:
+    x, w = torch.randn(96, 64), torch.randn(3, 48, 64)
+    return grouped_mm_reference(x, w, torch.tensor([32, 32, 32])).sum()
+
+
+def test_a_profiled_call_returns_its_result_and_names_the_code_behind_its_costliest_operators():
+    torch.manual_seed(0)
+    want = _work()
+    torch.manual_seed(0)
+    got, summary = profile_call(_work, top=8)
+    assert torch.equal(got, want)  # the call ran as it runs unprofiled
+    assert summary["unit"] == "cpu" and summary["wall_s"] > 0 and len(summary["rows"]) == 8
+    assert sum(r["share"] for r in summary["rows"]) <= 1.0 + 1e-9
+    assert [r["ms"] for r in summary["rows"]] == sorted((r["ms"] for r in summary["rows"]), reverse=True)
+    mm = next(r for r in summary["rows"] if r["name"] == "aten::mm")
+    assert mm["calls"] == 3
+    assert mm["launched_by"][0]["by"].startswith("aten::mm [[32, 64], [64, 48]] at k3/kernels/grouped_mm.py(")
+    assert mm["launched_by"][0]["by"].endswith("): grouped_mm_reference")
+    text = summary_text(summary, "demo")
+    assert text.startswith("demo: ") and "aten::mm" in text and "at k3/kernels/grouped_mm.py" in text
+
+
+def test_the_summary_is_written_as_json_and_text(tmp_path):
+    _, summary = profile_call(_work, top=3)
+    path = write_profile(summary, tmp_path / "profile", "train_step_1_rank0", "step 1")
+    assert path == tmp_path / "profile" / "train_step_1_rank0.txt" and path.read_text().startswith("step 1: ")
+    assert json.loads((tmp_path / "profile" / "train_step_1_rank0.json").read_text()) == json.loads(
+        json.dumps(summary))
+
+
+@pytest.mark.parametrize("step, match", [
+    (4, r"--profile-train-step 4: this run makes 4 optimizer steps \(--num-rollout 4 × 1 per rollout\): use 0 to 3"),
+    (-1, r"--profile-train-step -1: this run makes 4 optimizer steps"),
+])
+def test_a_step_the_run_never_makes_is_refused_at_launch(step, match):
+    with pytest.raises(LaunchConfigError, match=match):
+        resolve(TrainArgs(model_variant="tiny", num_rollout=4, profile_train_step=step, run_id="p"))
+
+
+def test_the_flag_reaches_the_training_settings_and_the_settings_check_it():
+    r = resolve(TrainArgs(model_variant="tiny", num_rollout=4, profile_train_step=2, run_id="p"))
+    assert r.settings.training.profile_train_step == 2
+    assert r.args.profile_train_step == 2
+    with pytest.raises(ValueError, match="profile_train_step=True: expected an optimizer step index >= 0"):
+        TrainingSettings(1, True, -1, "full", "uniform", 1, False, "x", profile_train_step=True)
+
+
+def test_a_trainer_rank_profiles_exactly_the_step_it_was_given(tmp_path):
+    from k3.rl.trainer_worker import TrainerWorker
+
+    base = write_tiny_checkpoint(tmp_path / "base")
+    spec = WorkerSpec(model_dir=str(base), lora=LoRAConfig(rank=4, alpha=8.0), seed=3, profile_train_step=1,
+                      profile_dir=str(tmp_path / "profile"))
+    worker = TrainerWorker(spec, GRPOConfig(lr=5e-3), 64, rank=2)
+    trajs = trajectories(worker.policy.model.config.vocab_size)
+    old = worker.log_probs(trajs)
+    for t, lp in zip(trajs, old):
+        t.old_log_probs = lp
+    worker.train_step(trajs)
+    assert not (tmp_path / "profile").exists()  # step 0 ran unprofiled
+    stats = worker.train_step(trajs)
+    assert set(stats) >= {"train/loss", "train/grad_norm"} and stats["perf/profiled_step"] == 1.0
+    text = (tmp_path / "profile" / "train_step_1_rank2.txt").read_text()
+    assert text.startswith(f"optimizer step 1, trainer rank 2, {len(trajs)} samples: ")
+    assert (tmp_path / "profile" / "train_step_1_rank2.json").is_file()
+    worker.train_step(trajs)
+    assert sorted(p.name for p in (tmp_path / "profile").iterdir()) == ["train_step_1_rank2.json",
+                                                                         "train_step_1_rank2.txt"]
