@@ -58,7 +58,8 @@
 #     (peak allocated 21.5 GB), but a cycle took 81 s, so 4 of the 20 rollouts fit the training limit: generation
 #     4.1 s, log-probs 8.7 s, the training step 47 s, the engine's weight release 8.4-9.7 s and return 2.1-2.6 s,
 #     the trainer's sleep 6.6-7.1 s and wake 2.1-2.8 s. Since: o_proj's GEMM no longer runs as one GEMM per token
-#     (k3/megatron/sequence_major.py: 77% of a training step's GPU time, bench/gpu_recompute.py --profile), the
+#     (k3/megatron/sequence_major.py: 77% of a training step's GPU time, bench/gpu_recompute.py --profile), nor
+#     the LM head's input gradient (one GEMM per token over its 2.35 GB weight, found on the CPU since), the
 #     engine's weight backup is pinned and reused, the trainer's saver keeps its pinned backups. The trainer also
 #     kept 1.46 GB on the device while asleep after training (0.08 GB before any step); its readings now say what
 #     lies outside the saver's regions (memory/default_pool_*).

@@ -13,6 +13,7 @@ from megatron.core.models.gpt import GPTModel
 
 from k3.megatron.config import K3TransformerConfig
 from k3.megatron.recompute import require_decoder_input_grad
+from k3.megatron.sequence_major import canonical_head_grad
 from k3.megatron.spec import get_k3_spec
 
 __all__ = ["k3_model_provider"]
@@ -45,4 +46,6 @@ def k3_model_provider(config: K3TransformerConfig, pre_process: bool | None = No
     )
     if pre_process and config.recompute_granularity is not None:
         require_decoder_input_grad(model)  # megatron's checkpoints are reentrant (k3.megatron.recompute)
+    if post_process:
+        canonical_head_grad(model)  # the head's input gradient as one GEMM, not one per token
     return model

@@ -29,6 +29,10 @@ PROFILED_STEP = "perf/profiled_step"  # on the train event of the rollout whose 
 LAUNCHERS_SHOWN = 3
 # A frame of this repository's code: a path through k3/ or bench/ (absolute, or relative to the working directory)
 REPO_FRAME = re.compile(r"(?:^|/)((?:k3|bench)/.*)")
+# The Python-function events with_stack records (any thread's, e.g. a test runner's reader blocked in read()):
+# context for the operators, not operators themselves.
+SELF = "k3/rl/step_profile.py"
+PYTHON_FRAME = re.compile(r"\.py\(\d+\): |^<built-in ")
 
 
 def _repo_frame(event: Any) -> str:
@@ -41,7 +45,7 @@ def _repo_frame(event: Any) -> str:
         parent = parent.cpu_parent
     for frame in candidates:
         found = REPO_FRAME.search(frame)
-        if found:
+        if found and not found.group(1).startswith(SELF):  # the profiler's own frame names nothing
             return found.group(1)
     return ""
 
@@ -71,7 +75,7 @@ def _launchers(prof: profile, names: set[str], unit: str, per_name: int = LAUNCH
 
 def top_kernels(prof: profile, n: int) -> dict[str, Any]:
     """The ``n`` most expensive entries of a finished profile: CUDA kernels by device time when any ran, else CPU
-    operators by self CPU time. ``{"unit": "cuda" | "cpu", "total_ms", "rows": [{"name", "calls", "ms", "share",
+    operators by self CPU time (Python-function events left out). ``{"unit": "cuda" | "cpu", "total_ms", "rows": [{"name", "calls", "ms", "share",
     "launched_by"}]}``; ``launched_by`` is filled for the top five."""
     averages = prof.key_averages()
     cuda = [e for e in averages if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -80,7 +84,7 @@ def top_kernels(prof: profile, n: int) -> dict[str, Any]:
         unit = "cuda"
     else:
         rows = [(e.key, e.count, e.self_cpu_time_total / 1e3) for e in averages
-                if e.device_type == torch.autograd.DeviceType.CPU]
+                if e.device_type == torch.autograd.DeviceType.CPU and not PYTHON_FRAME.search(e.key)]
         unit = "cpu"
     rows.sort(key=lambda r: -r[2])
     total = sum(r[2] for r in rows)

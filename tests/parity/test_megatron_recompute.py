@@ -33,6 +33,7 @@ def _held_and_grads(name: str, cfg, ref) -> dict:
     from test_megatron_parallel import _with_random_B
 
     from megatron.core import tensor_parallel
+    from torch.profiler import ProfilerActivity, profile
 
     from k3.lora import LoRAConfig
     from k3.megatron.checkpoint import load_hf_state_dict
@@ -75,19 +76,23 @@ def _held_and_grads(name: str, cfg, ref) -> dict:
                 strided.setdefault(name, []).append((tuple(x.shape), x.stride()))
         return hook
 
-    hooks = [m.register_forward_pre_hook(note_input(n)) for n, m in model.named_modules()
-             if isinstance(m, (tensor_parallel.ColumnParallelLinear, tensor_parallel.RowParallelLinear))]
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logits = model(ids, None, None, packed_seq_params=params)
-        loss = (logits.float() * weight).sum() / ids.numel()
+    linears = [m for m in model.modules()
+               if isinstance(m, (tensor_parallel.ColumnParallelLinear, tensor_parallel.RowParallelLinear))]
+    hooks = [m.register_forward_pre_hook(note_input(n)) for n, m in model.named_modules() if m in linears]
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            logits = model(ids, None, None, packed_seq_params=params)
+            loss = (logits.float() * weight).sum() / ids.numel()
+        held_bytes, saved = sum(held.values()), count[0]
+        loss.backward()
     for h in hooks:
         h.remove()
-    held_bytes, saved = sum(held.values()), count[0]
-    loss.backward()
+    # torch.matmul's fallback when it cannot fold [s, b, in]: a bmm over every token, in the forward or the backward
+    tokens, b = ids.shape[1], ids.shape[0]
+    per_token = sorted({str(e.input_shapes[0]) for e in prof.events() if e.name == "aten::bmm"
+                        and e.input_shapes and e.input_shapes[0][:2] == [tokens, b]})
     return {"held_bytes": held_bytes, "saved": saved, "loss": loss.item(), "grads": gather_lora(model, grads=True),
-            "linears": sum(1 for m in model.modules() if isinstance(m, (tensor_parallel.ColumnParallelLinear,
-                                                                           tensor_parallel.RowParallelLinear))),
-            "strided_inputs": strided}
+            "linears": len(linears), "strided_inputs": strided, "per_token_gemms": per_token}
 
 
 def _worker(out_path: str) -> None:
@@ -136,9 +141,12 @@ def test_recompute_keeps_the_loss_and_every_lora_gradient(results, name):
 @pytest.mark.parametrize("name", ["none", "packed_none"])
 def test_every_megatron_linear_gets_an_input_torch_matmul_folds_into_one_gemm(results, name):
     """Canonical strides on every input of megatron's column/row-parallel linears (k3/megatron/sequence_major.py):
-    otherwise torch.matmul runs one GEMM per token, re-reading the weight; the packed batch (b = 1) is the case."""
+    otherwise torch.matmul runs one GEMM per token, re-reading the weight; the packed batch (b = 1) is the case.
+    The backward too: the LM head's output gradient comes back transposed."""
     assert results[name]["linears"] > 10
     assert results[name]["strided_inputs"] == {}
+    # and no GEMM split per token anywhere in the step: the LM head's input gradient was (k3/megatron/sequence_major)
+    assert results[name]["per_token_gemms"] == []
 
 
 def test_full_recompute_holds_far_fewer_activations(results):

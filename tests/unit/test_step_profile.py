@@ -19,23 +19,23 @@ from k3.settings.train import TrainingSettings
 from k3.settings.worker import WorkerSpec
 
 
-def _work() -> torch.Tensor:
-    x, w = torch.randn(96, 64), torch.randn(3, 48, 64)
-    return grouped_mm_reference(x, w, torch.tensor([32, 32, 32])).sum()
+X, W, COUNTS = torch.randn(1536, 512), torch.randn(3, 768, 512), torch.tensor([512, 512, 512])
+
+
+def _work() -> torch.Tensor:  # three GEMMs of 512 × 512 × 768: the costliest operator by far
+    return grouped_mm_reference(X, W, COUNTS).sum()
 
 
 def test_a_profiled_call_returns_its_result_and_names_the_code_behind_its_costliest_operators():
-    torch.manual_seed(0)
     want = _work()
-    torch.manual_seed(0)
     got, summary = profile_call(_work, top=8)
     assert torch.equal(got, want)  # the call ran as it runs unprofiled
-    assert summary["unit"] == "cpu" and summary["wall_s"] > 0 and len(summary["rows"]) == 8
+    assert summary["unit"] == "cpu" and summary["wall_s"] > 0 and 3 <= len(summary["rows"]) <= 8
     assert sum(r["share"] for r in summary["rows"]) <= 1.0 + 1e-9
     assert [r["ms"] for r in summary["rows"]] == sorted((r["ms"] for r in summary["rows"]), reverse=True)
-    mm = next(r for r in summary["rows"] if r["name"] == "aten::mm")
-    assert mm["calls"] == 3
-    assert mm["launched_by"][0]["by"].startswith("aten::mm [[32, 64], [64, 48]] at k3/kernels/grouped_mm.py(")
+    mm = summary["rows"][0]
+    assert (mm["name"], mm["calls"]) == ("aten::mm", 3)
+    assert mm["launched_by"][0]["by"].startswith("aten::mm [[512, 512], [512, 768]] at k3/kernels/grouped_mm.py(")
     assert mm["launched_by"][0]["by"].endswith("): grouped_mm_reference")
     text = summary_text(summary, "demo")
     assert text.startswith("demo: ") and "aten::mm" in text and "at k3/kernels/grouped_mm.py" in text
