@@ -145,13 +145,14 @@ def _op_times_us(engine: EmbeddedEngine, prompts: list[list[int]], n: int) -> di
 def step_profile(engine: EmbeddedEngine, prompts: list[list[int]], steps: int, top: int = 20) -> dict:
     """Per decode step, each kernel's calls and µs: the difference between ``generate`` calls of
     ``FIRST_CALL_TOKENS + steps`` and ``FIRST_CALL_TOKENS`` new tokens over ``steps``; the ``top`` largest, and the
-    sum over every name (``kernel_us_per_step``)."""
+    sum over every name (``kernel_us_per_step``). A name whose time difference comes out negative (timing noise:
+    no operator takes negative time) counts 0."""
     short = _op_times_us(engine, prompts, FIRST_CALL_TOKENS)
     long = _op_times_us(engine, prompts, FIRST_CALL_TOKENS + steps)
     per_step = {}
     for name, (calls, us) in long.items():
         calls0, us0 = short.get(name, (0, 0.0))
-        per_step[name] = {"calls": (calls - calls0) / steps, "us": (us - us0) / steps}
+        per_step[name] = {"calls": (calls - calls0) / steps, "us": max(0.0, (us - us0) / steps)}
     ranked = sorted(per_step.items(), key=lambda item: -item[1]["us"])
     return {"kernel_us_per_step": sum(v["us"] for v in per_step.values()),
             "top": [{"name": name, **v} for name, v in ranked[:top]]}

@@ -26,12 +26,13 @@ __all__ = ["PROFILE_DIR", "PROFILED_STEP", "profile_call", "summary_text", "top_
 T = TypeVar("T")
 PROFILE_DIR = "profile"  # under the run directory
 PROFILED_STEP = "perf/profiled_step"  # on the train event of the rollout whose step was profiled (its index)
-LAUNCHERS_SHOWN = 3
+TRACED = 5  # the top entries whose launching operators are traced
+LAUNCHERS_SHOWN = 3  # launchers listed per traced entry
 # A frame of this repository's code: a path through k3/ or bench/ (absolute, or relative to the working directory)
 REPO_FRAME = re.compile(r"(?:^|/)((?:k3|bench)/.*)")
+SELF = "k3/rl/step_profile.py"  # the profiler's own frame names nothing
 # The Python-function events with_stack records (any thread's, e.g. a test runner's reader blocked in read()):
 # context for the operators, not operators themselves.
-SELF = "k3/rl/step_profile.py"
 PYTHON_FRAME = re.compile(r"\.py\(\d+\): |^<built-in ")
 
 
@@ -45,7 +46,7 @@ def _repo_frame(event: Any) -> str:
         parent = parent.cpu_parent
     for frame in candidates:
         found = REPO_FRAME.search(frame)
-        if found and not found.group(1).startswith(SELF):  # the profiler's own frame names nothing
+        if found and not found.group(1).startswith(SELF):
             return found.group(1)
     return ""
 
@@ -75,8 +76,8 @@ def _launchers(prof: profile, names: set[str], unit: str, per_name: int = LAUNCH
 
 def top_kernels(prof: profile, n: int) -> dict[str, Any]:
     """The ``n`` most expensive entries of a finished profile: CUDA kernels by device time when any ran, else CPU
-    operators by self CPU time (Python-function events left out). ``{"unit": "cuda" | "cpu", "total_ms", "rows": [{"name", "calls", "ms", "share",
-    "launched_by"}]}``; ``launched_by`` is filled for the top five."""
+    operators by self CPU time (Python-function events left out). ``{"unit": "cuda" | "cpu", "total_ms", "rows":
+    [{"name", "calls", "ms", "share", "launched_by"}]}``; ``launched_by`` is filled for the top :data:`TRACED`."""
     averages = prof.key_averages()
     cuda = [e for e in averages if e.device_type == torch.autograd.DeviceType.CUDA]
     if cuda:
@@ -88,7 +89,7 @@ def top_kernels(prof: profile, n: int) -> dict[str, Any]:
         unit = "cpu"
     rows.sort(key=lambda r: -r[2])
     total = sum(r[2] for r in rows)
-    launchers = _launchers(prof, {r[0] for r in rows[:5]}, unit)
+    launchers = _launchers(prof, {r[0] for r in rows[:TRACED]}, unit)
     return {"unit": unit, "total_ms": total,
             "rows": [{"name": name, "calls": calls, "ms": ms, "share": ms / total if total else 0.0,
                       "launched_by": launchers.get(name, [])} for name, calls, ms in rows[:n]]}

@@ -23,23 +23,24 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _tanh(z):
+    def _tanh(z, SERIES_BELOW: tl.constexpr):
         a = tl.abs(z)
         t = tl.exp(-2.0 * a)
         far = (1.0 - t) / (1.0 + t)
         z2 = a * a
         near = a * (1.0 - z2 / 3.0 + 2.0 * z2 * z2 / 15.0)
-        mag = tl.where(a < 0.05, near, far)  # TANH_SERIES_BELOW
+        mag = tl.where(a < SERIES_BELOW, near, far)
         return tl.where(z < 0.0, -mag, mag)
 
     @triton.jit
-    def _situ(gate_ptr, up_ptr, out_ptr, n, beta, linear_beta, BLOCK: tl.constexpr):
+    def _situ(gate_ptr, up_ptr, out_ptr, n, beta, linear_beta, BLOCK: tl.constexpr, SERIES_BELOW: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         keep = offs < n
         g = tl.load(gate_ptr + offs, mask=keep, other=0.0).to(tl.float32)
         u = tl.load(up_ptr + offs, mask=keep, other=0.0).to(tl.float32)
-        out = (beta * _tanh(g / beta) * tl.sigmoid(g)) * (linear_beta * _tanh(u / linear_beta))
-        tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=keep)
+        gate_term = beta * _tanh(g / beta, SERIES_BELOW) * tl.sigmoid(g)
+        up_term = linear_beta * _tanh(u / linear_beta, SERIES_BELOW)
+        tl.store(out_ptr + offs, (gate_term * up_term).to(out_ptr.dtype.element_ty), mask=keep)
 
 
 def situ_triton(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0) -> torch.Tensor:
@@ -55,5 +56,6 @@ def situ_triton(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_
     out = torch.empty(g.shape, dtype=gate.dtype, device=gate.device)
     n = g.numel()
     if n:
-        _situ[(triton.cdiv(n, BLOCK),)](g, u, out, n, float(beta), float(linear_beta), BLOCK=BLOCK, num_warps=4)
+        _situ[(triton.cdiv(n, BLOCK),)](g, u, out, n, float(beta), float(linear_beta), BLOCK=BLOCK,
+                                        SERIES_BELOW=TANH_SERIES_BELOW, num_warps=4)
     return out
