@@ -199,7 +199,7 @@ class TrainerWorker:
     def train_step(self, trajs: list[Trajectory]) -> dict[str, float]:
         self._awake("train_step")
         step = self.spec.profile_train_step
-        if step is None or self.policy.steps != step or self.spec.profile_dir is None:
+        if step is None or self.policy.steps != step:
             return self.policy.train_step(trajs)
         stats, summary = profile_call(lambda: self.policy.train_step(trajs))
         where = write_profile(summary, Path(self.spec.profile_dir), f"train_step_{step}_rank{self.rank}",

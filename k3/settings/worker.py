@@ -16,9 +16,10 @@ class WorkerSpec:
     """What both roles need to build their model: the BF16 checkpoint ``model_dir``, the adapters (``lora``), the
     device and the dtype (a ``torch`` dtype's name: ``float32`` or ``bfloat16``); and the trainer's backend:
     ``torch`` (``PolicyTrainer``) or ``megatron`` (``MegatronPolicy``, base weights from the torch_dist
-    ``ref_load`` when set, else ``model_dir``, on the model-parallel sizes and pipeline split of ``layout``).; ``use_dynamic_batch_size``: packed micro-batches filled up to the trainer's token
-    budget, the recipe's loss; ``recompute_*``: megatron's activation recompute, granularity None / ``full`` /
-    ``selective``, method and layer count for ``full`` only).
+    ``ref_load`` when set, else ``model_dir``, on the model-parallel sizes and pipeline split of ``layout``;
+    ``use_dynamic_batch_size``: packed micro-batches filled up to the trainer's token budget, the recipe's loss;
+    ``recompute_*``: megatron's activation recompute, granularity None / ``full`` / ``selective``, method and layer
+    count for ``full`` only).
 
     The trainer's guards and memory settings (``k3.settings.train``): ``use_distributed_optimizer``,
     ``optimizer_cpu_offload`` and ``optimizer_offload_fraction`` (megatron backend only: the torch backend refuses
@@ -57,3 +58,8 @@ class WorkerSpec:
     # summary goes to (the run's profile/); None: none.
     profile_train_step: int | None = None
     profile_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.profile_train_step is not None and self.profile_dir is None:
+            raise ValueError(f"WorkerSpec: profile_train_step={self.profile_train_step} needs profile_dir, the "
+                             "folder its summary is written to")

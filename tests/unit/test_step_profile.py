@@ -87,3 +87,9 @@ def test_a_trainer_rank_profiles_exactly_the_step_it_was_given(tmp_path):
     worker.train_step(trajs)
     assert sorted(p.name for p in (tmp_path / "profile").iterdir()) == ["train_step_1_rank2.json",
                                                                          "train_step_1_rank2.txt"]
+
+
+def test_a_worker_spec_that_would_profile_without_a_folder_is_refused():
+    with pytest.raises(ValueError, match="profile_train_step=1 needs profile_dir"):
+        WorkerSpec(model_dir="m", lora=LoRAConfig(rank=4, alpha=8.0), profile_train_step=1)
+    assert WorkerSpec(model_dir="m", lora=LoRAConfig(rank=4, alpha=8.0)).profile_dir is None
