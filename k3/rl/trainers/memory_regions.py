@@ -75,11 +75,11 @@ class TrainerMemoryError(RuntimeError):
 
 
 def load_memory_saver() -> Any:
-    """torch_memory_saver's singleton in hook mode ``"torch"`` (imported here only; set before its first use), its
-    pinned CPU backups retained across resumes (``retain_cpu_backup``): each pause then copies into the host buffer
-    the last one made instead of allocating 12.6 GB of pinned memory anew. On the first smoke-gpu run (H100,
-    2026-12-05, 4layer slice, without retention) a sleep took 6.6–7.1 s and a wake 2.1–2.8 s. Retention keeps that
-    host memory between sleeps; a sleep needs it anyway."""
+    """torch_memory_saver's singleton in hook mode ``"torch"`` (imported here only; set before its first use), left
+    uninitialised: megatron-core sets the same hook mode when its inference contexts are imported (while the policy
+    is built), and the saver refuses that setting once initialised ("no attribute '_impl_ctor_kwargs'"), so
+    nothing here may touch a property that initialises it (``retain_cpu_backup`` does: :class:`SaverRegions` sets
+    it at the first pause)."""
     try:
         from torch_memory_saver import torch_memory_saver
     except ImportError:
@@ -88,8 +88,6 @@ def load_memory_saver() -> Any:
                           "the trainer resident") from None
     if getattr(torch_memory_saver, "_impl", None) is None:  # the hook mode can be set only before first use
         torch_memory_saver.hook_mode = "torch"
-    if not torch_memory_saver.retain_cpu_backup:
-        torch_memory_saver.retain_cpu_backup = True
     return torch_memory_saver
 
 
@@ -116,6 +114,7 @@ class SaverRegions(Regions):
     def __init__(self, saver: Any) -> None:
         self.saver = saver
         self.paused: set[str] = set()
+        self.retaining = False
 
     def params(self) -> ContextManager[None]:
         return self.saver.region(tag=PARAMS_TAG, enable_cpu_backup=True)
@@ -129,6 +128,12 @@ class SaverRegions(Regions):
         if tag not in self.paused:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()  # no kernel may still write memory that is about to be unmapped
+            if not self.retaining:
+                # The pinned CPU backups are kept across resumes: each pause copies into the host buffer the last
+                # one made instead of pinning 12.6 GB anew (the first smoke-gpu run, H100, without retention: a
+                # sleep took 6.6-7.1 s, a wake 2.1-2.8 s). Set here, not at load (load_memory_saver).
+                self.saver.retain_cpu_backup = True
+                self.retaining = True
             self.saver.pause(tag)
             self.paused.add(tag)
 
