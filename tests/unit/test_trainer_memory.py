@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from layout_parity import trajectories
+from lazy_saver import LazySaver
 from tiny_checkpoint import write_tiny_checkpoint
 
 from k3.config import variant
@@ -402,46 +403,6 @@ def test_a_cuda_reading_holds_the_peak_since_the_previous_reading():
     second = memory_reading("again", "cuda")
     assert first["memory/peak_allocated_gb"] >= base + 0.25
     assert second["memory/peak_allocated_gb"] < base + 0.01
-
-
-class LazySaver:
-    """torch_memory_saver 0.0.10's singleton as far as its initialisation goes: the hook mode may be set only before
-    the first call that initialises it (``retain_cpu_backup`` and ``region`` do), after which setting it raises the
-    AttributeError the first run of the fix met (megatron-core sets it when its inference contexts are imported)."""
-
-    def __init__(self) -> None:
-        self._impl_ctor_kwargs: dict = {}
-        self._impl = None
-        self.retained = False
-        self.paused: list[str] = []
-
-    @property
-    def hook_mode(self):
-        raise AttributeError
-
-    @hook_mode.setter
-    def hook_mode(self, mode: str) -> None:
-        assert self._impl_ctor_kwargs is not None, "Cannot configure after initialization"
-        self._impl_ctor_kwargs["hook_mode"] = mode
-
-    def _ensure_initialized(self) -> None:
-        if self._impl is None:
-            self._impl = dict(self._impl_ctor_kwargs)
-            del self._impl_ctor_kwargs
-
-    @property
-    def retain_cpu_backup(self) -> bool:
-        self._ensure_initialized()
-        return self.retained
-
-    @retain_cpu_backup.setter
-    def retain_cpu_backup(self, value: bool) -> None:
-        self._ensure_initialized()
-        self.retained = value
-
-    def pause(self, tag: str) -> None:
-        self._ensure_initialized()
-        self.paused.append(tag)
 
 
 def test_loading_the_saver_leaves_it_configurable_and_the_first_pause_retains_its_backups(monkeypatch):
