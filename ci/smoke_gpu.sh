@@ -39,8 +39,9 @@
 #     SMOKE_GPU_CONTEXT_GIB (1.5) for the two actors' CUDA contexts.
 #   - the time (one 10-minute device call), as measured on the H200 on 2026-12-05 (the first run, 8 experts): the
 #     wheels 2 s; the checkpoint 14.8 s (--device cuda, 8 workers: 0.81 GB/s), the torch_dist copy 39.9 s, the
-#     data 3 s; `k3 train` from its start to the startup sync 48 s (Ray, the two loads, the trainer's first sleep);
-#     rollout 0 (64 × 512 tokens, the first KDA compile and autotune included) 27.3 s. Then 20 cycles of generate,
+#     data 3 s (on an 80 GB H100, 2026-12-05: the checkpoint 26 s, the torch_dist copy 77 s, the data 7 s;
+#     `k3 train` started 168 s in); `k3 train` from its start to the startup sync 48 s (Ray, the two loads, the
+#     trainer's first sleep); rollout 0 (64 × 512 tokens, the first KDA compile and autotune included) 27.3 s. Then 20 cycles of generate,
 #     train (1 step over ~37k tokens), the moves and the sync: not measured yet (the first step ran out of memory,
 #     below). The CUDA-graph decode measured at 32 experts is 8.5 ms/step at batch 64 (docs/PERFORMANCE.md): 4.4 s
 #     of decode a cycle. The training run gets what is left of SMOKE_GPU_DEADLINE_S (570 s from the script's start,
