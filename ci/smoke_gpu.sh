@@ -38,14 +38,13 @@
 #     device holds only the budget because a ballast process (ci/gpu_ballast.py) takes the rest, less
 #     SMOKE_GPU_CONTEXT_GIB (1.5) for the two actors' CUDA contexts.
 #   - the time (one 10-minute device call), as measured on the H200 on 2026-12-05 (the first run, 8 experts): the
-#     wheels 2 s; the checkpoint 14.8 s (--device cuda, 8 workers: 0.81 GB/s), the torch_dist copy 39.9 s, the
-#     data 3 s (on an 80 GB H100, 2026-12-05: the checkpoint 26 s, the torch_dist copy 77 s, the data 7 s;
-#     `k3 train` started 168 s in); `k3 train` from its start to the startup sync 48 s (Ray, the two loads, the
-#     trainer's first sleep); rollout 0 (64 × 512 tokens, the first KDA compile and autotune included) 27.3 s. Then 20 cycles of generate,
-#     train (1 step over ~37k tokens), the moves and the sync: not measured yet (the first step ran out of memory,
-#     below). The CUDA-graph decode measured at 32 experts is 8.5 ms/step at batch 64 (docs/PERFORMANCE.md): 4.4 s
-#     of decode a cycle. The training run gets what is left of SMOKE_GPU_DEADLINE_S (570 s from the script's start,
-#     less 30 s for the verdict); the tier's criteria say how long it may take.
+#     wheels 2 s; the checkpoint 14.8 s (--device cuda, 8 workers: 0.81 GB/s), the torch_dist copy 39.9 s, the data
+#     3 s (on an 80 GB H100: the checkpoint 26 s, the torch_dist copy 77 s, the data 7 s; `k3 train` started 168 s
+#     in); `k3 train` from its start to the startup sync 48 s (Ray, the two loads, the trainer's first sleep);
+#     rollout 0 (64 × 512 tokens, the first KDA compile and autotune included) 27.3 s. Then 20 cycles of generate,
+#     train (1 step over ~37k tokens), the moves and the sync: 81 s each on the H100 before the GEMM fixes (the
+#     third run, below), not measured since. The training run gets what is left of SMOKE_GPU_DEADLINE_S (570 s from
+#     the script's start, less 30 s for the verdict); the tier's criteria say how long it may take.
 #   - the first run (2026-12-05, H200, commit 0d8ca3d): the dance ran as planned up to the first training step —
 #     the trainer's sleep freed 12.6 GB of the device (physical 137.5 -> 124.9 GB, allocated stays 11.2), the
 #     engine's weight release 11.2 GB, the trainer's wake took 12.6 back — and that step failed after 76 s with
