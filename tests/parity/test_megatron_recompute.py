@@ -76,9 +76,8 @@ def _held_and_grads(name: str, cfg, ref) -> dict:
                 strided.setdefault(name, []).append((tuple(x.shape), x.stride()))
         return hook
 
-    linears = [m for m in model.modules()
-               if isinstance(m, (tensor_parallel.ColumnParallelLinear, tensor_parallel.RowParallelLinear))]
-    hooks = [m.register_forward_pre_hook(note_input(n)) for n, m in model.named_modules() if m in linears]
+    hooks = [m.register_forward_pre_hook(note_input(n)) for n, m in model.named_modules()
+             if isinstance(m, (tensor_parallel.ColumnParallelLinear, tensor_parallel.RowParallelLinear))]
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             logits = model(ids, None, None, packed_seq_params=params)
@@ -92,7 +91,7 @@ def _held_and_grads(name: str, cfg, ref) -> dict:
     per_token = sorted({str(e.input_shapes[0]) for e in prof.events() if e.name == "aten::bmm"
                         and e.input_shapes and e.input_shapes[0][:2] == [tokens, b]})
     return {"held_bytes": held_bytes, "saved": saved, "loss": loss.item(), "grads": gather_lora(model, grads=True),
-            "linears": len(linears), "strided_inputs": strided, "per_token_gemms": per_token}
+            "linears": len(hooks), "strided_inputs": strided, "per_token_gemms": per_token}
 
 
 def _worker(out_path: str) -> None:

@@ -106,7 +106,6 @@ def test_retained_backups_carry_each_sleeps_values(regions):
     from k3.rl.trainers.megatron import DDPGradBuffers
     from k3.rl.trainers.memory_regions import TrainerMemory
 
-    assert regions.saver.retain_cpu_backup
     torch.manual_seed(1)
     with regions.params():
         model = Frozen()
@@ -116,5 +115,6 @@ def test_retained_backups_carry_each_sleeps_values(regions):
             model.adapter.add_(1.0)
         want = model.adapter.detach().cpu()
         memory.sleep()
+        assert regions.saver.retain_cpu_backup  # turned on by the first pause (SaverRegions.pause)
         memory.wake_up()
         assert torch.equal(model.adapter.detach().cpu(), want), cycle

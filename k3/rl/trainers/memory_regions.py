@@ -114,7 +114,6 @@ class SaverRegions(Regions):
     def __init__(self, saver: Any) -> None:
         self.saver = saver
         self.paused: set[str] = set()
-        self.retaining = False
 
     def params(self) -> ContextManager[None]:
         return self.saver.region(tag=PARAMS_TAG, enable_cpu_backup=True)
@@ -128,12 +127,10 @@ class SaverRegions(Regions):
         if tag not in self.paused:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()  # no kernel may still write memory that is about to be unmapped
-            if not self.retaining:
-                # The pinned CPU backups are kept across resumes: each pause copies into the host buffer the last
-                # one made instead of pinning 12.6 GB anew (the first smoke-gpu run, H100, without retention: a
-                # sleep took 6.6-7.1 s, a wake 2.1-2.8 s). Set here, not at load (load_memory_saver).
-                self.saver.retain_cpu_backup = True
-                self.retaining = True
+            # The pinned CPU backups are kept across resumes: each pause copies into the host buffer the last one
+            # made instead of pinning 12.6 GB anew (the first smoke-gpu run, H100, without retention: a sleep took
+            # 6.6-7.1 s, a wake 2.1-2.8 s). Set here, not at load (load_memory_saver); setting it again is a no-op.
+            self.saver.retain_cpu_backup = True
             self.saver.pause(tag)
             self.paused.add(tag)
 
