@@ -2,7 +2,9 @@
 
 megatron-core assumes CUDA in places that do not change its parallel math: RNG state through ``torch.cuda``,
 ``device="cuda"`` tensor factories, ``.cuda()`` moves, CUDA streams around the all-to-all dispatcher, a
-``torch.cuda.FloatTensor`` type check in the optimizer and gradient clipping (reference/dependencies.md §1).
+``torch.cuda.FloatTensor`` type check in the optimizer and gradient clipping (reference/dependencies.md §1), and the
+CPU offload's ``HybridDeviceOptimizer``, which picks the parameters to offload by ``is_cuda`` and pins its host
+copies.
 ``install()`` patches exactly those, so the K3 megatron modules run their real TP/EP/SP code paths on gloo.
 
 Import this only in a subprocess that runs megatron code and nothing else (a torchrun worker): it patches
@@ -32,6 +34,8 @@ class _CudaToCpu(TorchFunctionMode):
         dev = kwargs.get("device")
         if dev is not None and _is_cuda_device(dev):
             kwargs["device"] = CPU
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False  # pinning needs a CUDA device
         if func in (torch.Tensor.to,) and args:
             args = tuple(CPU if _is_cuda_device(a) and not isinstance(a, torch.Tensor) else a for a in args)
         return func(*args, **kwargs)
@@ -139,6 +143,34 @@ def _patch_megatron() -> None:
     moe_utils.maybe_move_tensor_to_cpu = to_cpu
     token_dispatcher.maybe_move_tensor_to_cpu = to_cpu
     _patch_clip_grad()
+    _patch_hybrid_optimizer()
+
+
+def _patch_hybrid_optimizer() -> None:
+    """The CPU offload's ``HybridDeviceOptimizer`` splits its parameters into device ones (``is_cuda``) and host
+    copies (``.cpu().pin_memory()``) of the first ``offload_fraction`` of them. While it splits, every tensor
+    reports ``is_cuda`` but its host copies, which ``pin_memory`` marks: so on CPU it offloads the same parameters
+    it would on a GPU, and steps them with its host optimizer on separate copies that it copies back."""
+    from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
+
+    cls = hybrid_optimizer.HybridDeviceOptimizer
+    split = cls._get_sub_optimizer_param_groups
+
+    def split_as_on_a_gpu(self, offload_fraction):
+        saved = torch.Tensor.is_cuda, torch.Tensor.pin_memory
+
+        def pin_memory(tensor, *args, **kwargs):
+            tensor._compat_host_copy = True
+            return tensor
+
+        torch.Tensor.is_cuda = property(lambda t: not getattr(t, "_compat_host_copy", False))
+        torch.Tensor.pin_memory = pin_memory
+        try:
+            return split(self, offload_fraction)
+        finally:
+            torch.Tensor.is_cuda, torch.Tensor.pin_memory = saved
+
+    cls._get_sub_optimizer_param_groups = split_as_on_a_gpu
 
 
 def _patch_clip_grad() -> None:

@@ -55,6 +55,7 @@ import megatron.core.optimizer as megatron_optimizers
 import torch
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer import distrib_optimizer as distrib_module
+from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import ChainedOptimizer
 
@@ -62,7 +63,8 @@ from k3.settings.train import (keep_hyperparameters, optimizer_kind_problem, opt
                                restore_hyperparameters)
 
 __all__ = ["OptimizerOptionError", "build_megatron_optimizer", "check_optimizer_options", "is_distributed",
-           "load_optimizer_state_dict", "optimizer_kind", "optimizer_state_dict", "require_offload_device"]
+           "load_optimizer_state_dict", "optimizer_kind", "optimizer_state_dict", "reload_main_params",
+           "require_offload_device"]
 
 DP_RESHARDABLE = "dp_reshardable"  # megatron's name of the per-rank, bucket-ordered parameter-state format
 KIND_KEY = "optimizer_kind"  # the tag of a distributed SGD part's state (megatron's Adam state has none)
@@ -153,6 +155,28 @@ def optimizer_kind(optimizer) -> str:
     return kinds.pop()
 
 
+@torch.no_grad()
+def reload_main_params(optimizer) -> None:
+    """Copy the model's parameters into ``optimizer``'s main weights, after something other than a step wrote
+    them (an adapter load): megatron's ``reload_model_params``, except for the CPU offload's hybrid optimizer,
+    where megatron-core 0.16.1 refreshes only the fp32 copies it makes of low-precision parameters (none: the
+    distributed optimizer hands it fp32 main weights) and so leaves the main weights and their host copies stale,
+    and the next step would write the old adapters back. There each part's main weights (this rank's slice of
+    each parameter) and the host copy of every offloaded one are copied here."""
+    for part in _parts(optimizer):
+        hybrid = getattr(part, "optimizer", None)
+        if not isinstance(hybrid, HybridDeviceOptimizer):
+            part.reload_model_params()
+            continue
+        for model_param, (group_index, group_order) in part.model_param_group_index_map.items():
+            owned = part._get_model_param_range_map(model_param)["param"]
+            main = hybrid.param_groups[group_index]["params"][group_order]
+            main.copy_(model_param.detach().view(-1)[owned.start:owned.end])
+            host = hybrid.gpu_params_map_cpu_copy.get(main)
+            if host is not None:
+                host.copy_(main)
+
+
 def _host_copy(value: Any) -> Any:
     """``value`` with every tensor replaced by a detached host copy (containers rebuilt, other values kept)."""
     if isinstance(value, torch.Tensor):
@@ -186,9 +210,34 @@ def _distributed_part_state(part: DistributedOptimizer) -> dict[str, Any]:
         # Never stepped: no Adam state exists yet (and megatron's state_dict() needs one to read the step count).
         return {"never_stepped": True}
     state = part.state_dict()
+    # The hybrid optimizer keeps its sub-optimizers' classes (torch's AdamW) in every param group: code, not state,
+    # which torch.load(weights_only=True) refuses. The reader below takes them from the optimizer it loads into.
+    state["optimizer"]["param_groups"] = [{k: v for k, v in group.items() if not isinstance(v, type)}
+                                          for group in state["optimizer"]["param_groups"]]
     state["param_state"] = _param_state(part)
     state["param_state_sharding_type"] = DP_RESHARDABLE
     return state
+
+
+def _load_hybrid_adam(part: DistributedOptimizer, part_state: dict[str, Any]) -> None:
+    """Restore a distributed Adam part whose inner optimizer is megatron's ``HybridDeviceOptimizer`` (the CPU
+    offload), in place. megatron-core 0.16.1's own reader cannot: the hybrid optimizer's post-load hook looks
+    every parameter up among the fp32 copies it makes of low-precision parameters, and the distributed optimizer
+    hands it fp32 main weights, so it has none (KeyError); and the hook rebuilds the host copies from the weights
+    before the parameter state is loaded. Here the state entries are made first where the optimizer has none yet
+    (a fresh optimizer: what torch's Adam makes at its first step, zeros at step 0), then megatron's
+    ``dp_reshardable`` reader copies every saved tensor into them: the main weights, ``step``, the moments, and
+    ``master_param`` (the host copy an offloaded parameter steps on). The sub-optimizers hold the same state
+    dicts, so they step on from the loaded values."""
+    hybrid = part.optimizer
+    if len(hybrid.state) == 0:
+        for sub in hybrid.sub_optimizers:
+            for group in sub.param_groups:
+                for param in group["params"]:
+                    sub.state[param].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(param),
+                                            exp_avg_sq=torch.zeros_like(param))
+        hybrid._sync_sub_optimizers_state_to_hdo()
+    part.load_parameter_state_from_dp_reshardable(part_state["param_state"])
 
 
 def optimizer_state_dict(optimizer) -> dict[str, Any] | list[dict[str, Any]]:
@@ -258,6 +307,8 @@ def load_optimizer_state_dict(optimizer, state: dict[str, Any] | list[dict[str, 
                              "optimizer?): resume with the optimizer that saved it")
         if kind == "sgd":
             _load_distributed_sgd(part, part_state)
+        elif isinstance(part.optimizer, HybridDeviceOptimizer):
+            _load_hybrid_adam(part, part_state)
         else:
             part.load_state_dict(part_state)
             # Without TE/apex, megatron gives every parameter's state one shared ``step`` tensor; torch's Adam then

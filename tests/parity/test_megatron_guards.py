@@ -22,8 +22,10 @@ Worker ``timeout`` (2 ranks): every group ``init_parallel`` makes carries ``dist
 world group's and megatron's groups' backend options, and every ``new_group`` call), and a rank whose peer never
 joins a collective fails within that timeout, with an error that says so.
 
-Worker ``offload`` (1 rank): the CPU offload's wiring (megatron's hybrid optimizer, built with the fraction) with
-the device check stood in; on CPU it has no CUDA state to move, so its steps equal the distributed optimizer's.
+Worker ``offload`` (1 rank): the CPU offload (megatron's hybrid optimizer, with the device check stood in and
+tests/megatron_compat.py having it offload what it would on a GPU) trains as the distributed optimizer, its state
+goes through ``torch.load(weights_only=True)`` and resumes bit for bit into the same and into a fresh policy, and
+an adapter load survives the next step.
 """
 
 from __future__ import annotations
@@ -45,13 +47,16 @@ LR = 5e-3
 
 # ---------------------------------------------------------------------------------------------- the workers
 def _randomize_b(policy) -> None:
-    """Every B non-zero (drawn from the global factors in name order: the same under every layout)."""
+    """Every B non-zero (drawn from the global factors in name order: the same under every layout), in the
+    parameters and in the optimizer's main weights (BF16 parameters: copies, made when B was 0)."""
     from k3.megatron.lora import gather_lora, load_lora
+    from k3.megatron.optimizer import reload_main_params
 
     gen = torch.Generator().manual_seed(11)
     state = {k: (0.05 * torch.randn(v.shape, generator=gen) if k.endswith("lora_B") else v)
              for k, v in sorted(gather_lora(policy.model).items())}
     load_lora(policy.model, state)
+    reload_main_params(policy.trainer.optimizer)
 
 
 def _adam_numel(optimizer) -> int:
@@ -60,14 +65,14 @@ def _adam_numel(optimizer) -> int:
     return sum(s["exp_avg"].numel() for part in parts for s in part.optimizer.state.values() if "exp_avg" in s)
 
 
-def _policy(root: Path, tp: int = 1, **kwargs):
+def _policy(root: Path, tp: int = 1, lr: float = LR, **kwargs):
     from k3.lora import LoRAConfig
     from k3.rl.grpo import GRPOConfig
     from k3.rl.trainers.megatron import build_megatron_policy
     from k3.settings.parallel import ParallelLayout
 
     policy = build_megatron_policy(root / "base", LoRAConfig(rank=RANK, alpha=ALPHA), pad_id=0,
-                                   grpo=GRPOConfig(lr=LR, weight_decay=0.1, clip_grad=1.0),
+                                   grpo=GRPOConfig(lr=lr, weight_decay=0.1, clip_grad=1.0),
                                    max_tokens_per_micro_batch=MAX_TOKENS, seed=3,
                                    layout=ParallelLayout.model_parallel(tp=tp, ep=tp), **kwargs)
     _randomize_b(policy)
@@ -295,51 +300,37 @@ def _timeout_worker(root: Path) -> None:
     os._exit(0)  # a group whose collective timed out is not torn down cleanly
 
 
-def _offload_worker(root: Path) -> None:
-    """CPU: the offload settings reach megatron's hybrid optimizer (built, not stepped: it steps CUDA state)."""
-    import megatron_compat
-
-    megatron_compat.install()
-    from megatron.core import parallel_state
-    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
-
-    import k3.megatron.optimizer as megatron_optimizer
-
-    out: dict = {"refused_on_cpu": _error(lambda: _policy(root, use_distributed_optimizer=True,
-                                                          optimizer_cpu_offload=True, optimizer_offload_fraction=0.8))}
-    megatron_optimizer.require_offload_device = lambda: None  # stand in the device check: build only
-    for name, offload in (("distributed", False), ("offload", True)):
-        # BF16 parameters, as on the GPU: the main weights are float32 copies (the hybrid optimizer takes leaves)
-        policy = _policy(root, use_distributed_optimizer=True, optimizer_cpu_offload=offload,
-                         optimizer_offload_fraction=0.8 if offload else 0.0, dtype=torch.bfloat16)
-        parts = getattr(policy.trainer.optimizer, "chained_optimizers", [policy.trainer.optimizer])
-        inner = [part.optimizer for part in parts]
-        out[name] = {"hybrid": [isinstance(o, HybridDeviceOptimizer) for o in inner],
-                     "fraction": [getattr(o, "offload_fraction", None) for o in inner],
-                     "overlap": [getattr(o, "overlap_cpu_optimizer_d2h_h2d", None) for o in inner]}
-        parallel_state.destroy_model_parallel()
-    torch.save(out, root / "offload.pt")
-
-
-def _offload_gpu_worker(root: Path) -> None:
-    """CUDA (no compatibility module): the distributed optimizer with and without the offload of 0.8, two steps."""
+def _offload_runs(root: Path) -> dict:
+    """The distributed optimizer without and with the CPU offload of 0.8 over BF16 parameters (as on the GPU: the
+    main weights are float32 copies), from the same adapters: two steps, where the optimizer holds what, the
+    state through ``torch.save`` / ``torch.load(weights_only=True)`` into the same policy and into a fresh one (a
+    ``--resume``), each then stepped as the uninterrupted run; and an adapter load (``load_adapter``, which must
+    refresh the main weights and the host copies) followed by a step too small to move a BF16 value."""
     from megatron.core import parallel_state
 
     from k3.megatron.lora import gather_lora, load_lora
+    from k3.megatron.optimizer import reload_main_params
 
     out: dict = {}
     for name, offload in (("distributed", False), ("offload", True)):
-        policy = _policy(root, use_distributed_optimizer=True, optimizer_cpu_offload=offload,
-                         optimizer_offload_fraction=0.8 if offload else 0.0, dtype=torch.bfloat16)
+        settings = dict(use_distributed_optimizer=True, optimizer_cpu_offload=offload,
+                        optimizer_offload_fraction=0.8 if offload else 0.0, dtype=torch.bfloat16)
+        policy = _policy(root, **settings)
+        parts = getattr(policy.trainer.optimizer, "chained_optimizers", [policy.trainer.optimizer])
         trajs = _trajs(policy)
         got = {"steps": [policy.train_step(trajs) for _ in range(2)],
-               "final": {k: v.float().cpu() for k, v in gather_lora(policy.model).items()}}
-        parts = getattr(policy.trainer.optimizer, "chained_optimizers", [policy.trainer.optimizer])
-        held = {"cpu": 0, "cuda": 0}
+               "final": {k: v.float().cpu() for k, v in gather_lora(policy.model).items()},
+               "hybrid": [type(part.optimizer).__name__ == "HybridDeviceOptimizer" for part in parts],
+               "fraction": [getattr(part.optimizer, "offload_fraction", None) for part in parts],
+               "overlap": [getattr(part.optimizer, "overlap_cpu_optimizer_d2h_h2d", None) for part in parts],
+               # elements the host optimizers step, of all this rank's main weights
+               "host_numel": sum(p.numel() for part in parts for sub in getattr(part.optimizer, "cpu_optimizers", [])
+                                 for g in sub.param_groups for p in g["params"]),
+               "numel": sum(p.numel() for part in parts for g in part.optimizer.param_groups for p in g["params"]),
+               "moments_on": {"cpu": 0, "cuda": 0}}
         for part in parts:
             for state in part.optimizer.state.values():
-                held[state["exp_avg"].device.type] += state["exp_avg"].numel()
-        got["held"] = held
+                got["moments_on"][state["exp_avg"].device.type] += state["exp_avg"].numel()
         buf = io.BytesIO()
         torch.save(policy.optimizer_state(), buf)
         snapshot = gather_lora(policy.model)
@@ -349,9 +340,45 @@ def _offload_gpu_worker(root: Path) -> None:
         policy.load_optimizer_state(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
         policy.train_step(trajs)
         got["resume_equal"] = all(torch.equal(straight[k], v) for k, v in gather_lora(policy.model).items())
-        out[name] = got
         parallel_state.destroy_model_parallel()
-    torch.save(out, root / "offload_gpu.pt")
+
+        fresh = _policy(root, **settings)
+        load_lora(fresh.model, snapshot)
+        fresh.load_optimizer_state(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
+        fresh.train_step(trajs)
+        got["fresh_resume_equal"] = all(torch.equal(straight[k], v) for k, v in gather_lora(fresh.model).items())
+        parallel_state.destroy_model_parallel()
+
+        tiny = _policy(root, **{**settings, "lr": 1e-12})
+        loaded = gather_lora(tiny.model)
+        saved = tiny.save_adapter(root / f"adapter_{name}")
+        load_lora(tiny.model, {k: torch.zeros_like(v) if k.endswith("lora_B") else v for k, v in loaded.items()})
+        reload_main_params(tiny.trainer.optimizer)  # B = 0 everywhere, as in a fresh policy
+        tiny.load_adapter(saved)
+        tiny.train_step(trajs)
+        got["adapter_load_kept"] = all(torch.equal(loaded[k], v) for k, v in gather_lora(tiny.model).items())
+        parallel_state.destroy_model_parallel()
+        out[name] = got
+    return out
+
+
+def _offload_worker(root: Path) -> None:
+    """CPU: the offload is refused; then, the device check stood in, megatron's hybrid optimizer runs
+    (tests/megatron_compat.py has it offload the parameters it would on a GPU): :func:`_offload_runs`."""
+    import megatron_compat
+
+    megatron_compat.install()
+    import k3.megatron.optimizer as megatron_optimizer
+
+    refused = _error(lambda: _policy(root, use_distributed_optimizer=True, optimizer_cpu_offload=True,
+                                     optimizer_offload_fraction=0.8))
+    megatron_optimizer.require_offload_device = lambda: None
+    torch.save({"refused_on_cpu": refused, **_offload_runs(root)}, root / "offload.pt")
+
+
+def _offload_gpu_worker(root: Path) -> None:
+    """CUDA (no compatibility module): :func:`_offload_runs`."""
+    torch.save(_offload_runs(root), root / "offload_gpu.pt")
 
 
 if __name__ == "__main__":
@@ -488,17 +515,35 @@ def test_every_group_carries_the_timeout_and_a_missing_peer_fails_within_it(root
     assert "Timed out" in got["error"] and "3000ms" in got["error"], got["error"]
 
 
+def _check_offload_runs(got: dict) -> None:
+    """What both devices must show (:func:`_offload_runs`)."""
+    off, on = got["distributed"], got["offload"]
+    assert all(on["hybrid"]) and set(on["fraction"]) == {0.8} and set(on["overlap"]) == {True}
+    assert not any(off["hybrid"]) and off["host_numel"] == 0
+    assert on["numel"] == off["numel"]
+    # whole parameters, in order, until the fraction is reached
+    assert 0.75 * on["numel"] <= on["host_numel"] <= 0.95 * on["numel"], (on["host_numel"], on["numel"])
+    for a, b in zip(on["steps"], off["steps"]):  # the same fp32 Adam on host and device
+        assert abs(a["train/loss"] - b["train/loss"]) <= 1e-3 * max(1.0, abs(b["train/loss"]))
+    for name, b in off["final"].items():  # BF16 parameters: one rounding step apart at most
+        assert _rel(on["final"][name], b) < 1e-2, name
+    for run in (on, off):
+        assert run["resume_equal"] and run["fresh_resume_equal"] and run["adapter_load_kept"]
+
+
 @pytest.mark.slow
-def test_cpu_offload_settings_reach_megatrons_hybrid_optimizer_and_cpu_is_refused(root):
+def test_cpu_offload_trains_as_the_distributed_optimizer_and_resumes_bit_for_bit(root):
+    """CPU (the hybrid optimizer offloading as on a GPU, tests/megatron_compat.py): the offload is refused without
+    CUDA; with the check stood in, the runs of :func:`_offload_runs`. Before the state saved its param groups
+    without the hybrid optimizer's classes, torch.load(weights_only=True) refused it (smoke-gpu on the H100);
+    before the loads and the adapter load wrote the host copies, the offloaded B factors went back to zero."""
     from megatron_compat import run_workers
 
-    run_workers([__file__, "offload", str(root)], nproc=1, timeout=300)
+    run_workers([__file__, "offload", str(root)], nproc=1, timeout=400)
     got = torch.load(root / "offload.pt", weights_only=False)
     assert got["refused_on_cpu"].startswith("OptimizerOptionError: optimizer_cpu_offload needs CUDA"), \
         got["refused_on_cpu"]
-    assert all(got["offload"]["hybrid"]) and set(got["offload"]["fraction"]) == {0.8}
-    assert set(got["offload"]["overlap"]) == {True}
-    assert not any(got["distributed"]["hybrid"])
+    _check_offload_runs(got)
 
 
 @pytest.mark.gpu
@@ -507,14 +552,8 @@ def test_cpu_offload_on_cuda_holds_the_fraction_on_the_host_and_trains_the_same(
 
     run_workers([__file__, "offload_gpu", str(root)], nproc=1, timeout=600)
     got = torch.load(root / "offload_gpu.pt", weights_only=False)
+    _check_offload_runs(got)
     off, on = got["distributed"], got["offload"]
-    assert off["held"]["cpu"] == 0
-    total = on["held"]["cpu"] + on["held"]["cuda"]
-    assert total == off["held"]["cuda"]
-    # whole parameters, in order, until the fraction is reached
-    assert 0.75 * total <= on["held"]["cpu"] <= 0.95 * total, on["held"]
-    for a, b in zip(on["steps"], off["steps"]):  # the same fp32 Adam on host and device
-        assert abs(a["train/loss"] - b["train/loss"]) <= 1e-3 * max(1.0, abs(b["train/loss"]))
-    for name, b in off["final"].items():  # BF16 parameters: one rounding step apart at most
-        assert _rel(on["final"][name], b) < 1e-2, name
-    assert on["resume_equal"] and off["resume_equal"]
+    # the host optimizers' Adam moments live on the host, the rest on the device
+    assert off["moments_on"]["cpu"] == 0 and off["moments_on"]["cuda"] == off["numel"]
+    assert on["moments_on"] == {"cpu": on["host_numel"], "cuda": on["numel"] - on["host_numel"]}

@@ -104,7 +104,7 @@ def _policy_worker(root: Path) -> dict:
     policy.train_step(trajs)
     straight = gather_lora(policy.model)
     load_lora(policy.model, snapshot)
-    policy.load_optimizer_state(torch.load(io.BytesIO(buf.getvalue()), weights_only=False))
+    policy.load_optimizer_state(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
     out["resumed_steps"] = policy.steps
     policy.train_step(trajs)
     out["resume_equal"] = all(torch.equal(straight[k], v) for k, v in gather_lora(policy.model).items())

@@ -38,6 +38,7 @@ MOMENTUM = 0.9
 def _policy(root: Path, *, optimizer: str = "sgd", momentum: float = 0.0, lr: float = LR, **kwargs):
     from k3.lora import LoRAConfig
     from k3.megatron.lora import gather_lora, load_lora
+    from k3.megatron.optimizer import reload_main_params
     from k3.rl.grpo import GRPOConfig
     from k3.rl.trainers.megatron import build_megatron_policy
 
@@ -51,10 +52,7 @@ def _policy(root: Path, *, optimizer: str = "sgd", momentum: float = 0.0, lr: fl
     load_lora(policy.model, state)
     # BF16 parameters: the optimizer's fp32 main weights were copied from the parameters when it was built (B = 0),
     # and load_lora writes the parameters only
-    optimizer = policy.trainer.optimizer
-    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if hasattr(part, "_copy_model_params_to_main_params"):
-            part._copy_model_params_to_main_params()
+    reload_main_params(policy.trainer.optimizer)
     return policy
 
 
@@ -174,15 +172,14 @@ def _adapter_load_bf16(root: Path, out: dict) -> None:
     from megatron.core import parallel_state
 
     from k3.megatron.lora import gather_lora, load_lora
+    from k3.megatron.optimizer import reload_main_params
 
     policy = _policy(root, lr=1e-12, use_distributed_optimizer=True, dtype=torch.bfloat16)
     loaded = gather_lora(policy.model)
     saved = policy.save_adapter(root / "adapter_bf16")  # collective; global rank 0 writes
     torch.distributed.barrier()  # the others read it only once written
     load_lora(policy.model, {k: torch.zeros_like(v) if k.endswith("lora_B") else v for k, v in loaded.items()})
-    optimizer = policy.trainer.optimizer
-    for part in getattr(optimizer, "chained_optimizers", [optimizer]):  # a fresh policy: B = 0 in the main weights
-        part._copy_model_params_to_main_params()
+    reload_main_params(policy.trainer.optimizer)  # a fresh policy: B = 0 in the main weights
     policy.load_adapter(saved)
     policy.train_step(_trajs(policy))
     out["adapter_load_bf16_kept"] = all(torch.equal(loaded[k], v) for k, v in gather_lora(policy.model).items())

@@ -590,9 +590,12 @@ class MegatronPolicy:
         if problems:
             raise ExportError(f"{weights_path}: not this model's adapter: " + "; ".join(problems))
         load_lora(self.model, hf_lora_to_megatron(named, self.cfg))
-        # A mixed-precision optimizer (BF16 parameters) steps fp32 main copies of the parameters: refresh them from
-        # what was just loaded, or the next step would write the old adapters back over it.
-        self.trainer.optimizer.reload_model_params()
+        # A mixed-precision optimizer (BF16 parameters) steps fp32 main copies of the parameters, and the CPU
+        # offload host copies of those: refresh them from what was just loaded, or the next step would write the
+        # old adapters back over it.
+        from k3.megatron.optimizer import reload_main_params
+
+        reload_main_params(self.trainer.optimizer)
 
     # -- optimizer state
     def optimizer_state(self) -> dict[str, Any]:
