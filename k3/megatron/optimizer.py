@@ -37,7 +37,11 @@ parameter state along under ``param_state``, in one of megatron's formats. The o
 moments (``get_parameter_state_dp_reshardable``), so every rank saves and reads its own slice with no collective
 (the load then all-gathers the restored weights, as a step does). The distributed SGD's state is the same
 ``dp_reshardable`` parameter state (fp32 main weights, and the momentum buffers where SGD has made them: none at
-momentum 0), tagged ``optimizer_kind: "sgd"``, with none of megatron's Adam-only ``state_dict()``.
+momentum 0), tagged ``optimizer_kind: "sgd"``, with none of megatron's Adam-only ``state_dict()``. With the CPU
+offload, the state leaves out the hybrid optimizer's sub-optimizer classes (code, which a weights-only load refuses),
+and is loaded in place by k3 (:func:`_load_hybrid_adam`): megatron-core 0.16.1's reader fails on fp32 main weights.
+After an adapter load, :func:`reload_main_params` refreshes the main weights (and the offloaded ones' host copies,
+which megatron's ``reload_model_params`` leaves stale).
 
 Either load keeps the run's hyperparameters (lr, weight decay, betas, momentum:
 ``k3.settings.train.keep_hyperparameters``), which megatron's and torch's loaders would replace with the saved
