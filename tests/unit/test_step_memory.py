@@ -1,0 +1,104 @@
+"""What a profiled training step left allocated on the device (k3/rl/step_memory.py): the default pool's live blocks
+the step made, summed by where they were allocated, read from an allocator snapshot. CPU: a snapshot in the layout
+``torch.cuda.memory._snapshot()`` returns; on CUDA (``gpu``) the real recording."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3.rl.step_memory import SHOWN, left_allocated, left_allocated_text, record_step_memory
+from k3.rl.step_profile import summary_text
+
+MB = 2**20
+
+
+def _frame(path: str, line: int, name: str) -> dict:
+    return {"filename": path, "line": line, "name": name}
+
+
+MOE = [_frame("/opt/venv/lib/python3.12/site-packages/torch/nn/functional.py", 10, "linear"),
+       _frame("/root/repo/k3/megatron/moe.py", 120, "forward"),
+       _frame("/root/repo/k3/rl/trainers/megatron.py", 300, "train_step")]
+ROUTER = [_frame("/site/megatron/core/transformer/moe/router.py", 55, "routing"),
+          _frame("/root/repo/k3/rl/step_memory.py", 90, "record_step_memory")]
+
+
+def _block(size_mb: float, state: str = "active_allocated", frames=None) -> dict:
+    b = {"size": int(size_mb * MB), "requested_size": int(size_mb * MB), "state": state}
+    if frames is not None:
+        b["frames"] = frames
+    return b
+
+
+def _snapshot() -> dict:
+    return {"segments": [
+        # the default pool: two blocks made by the MoE layer, one by the router, one from before the step, free space
+        {"device": 0, "segment_pool_id": (0, 0), "total_size": 100 * MB,
+         "blocks": [_block(48, frames=MOE), _block(20, frames=MOE), _block(12, "inactive"), _block(20)]},
+        {"device": 0, "segment_pool_id": (0, 0), "total_size": 20 * MB,
+         "blocks": [_block(2, frames=ROUTER), _block(18, "inactive")]},
+        # a private pool (the saver's region) and another device: not counted
+        {"device": 0, "segment_pool_id": (1, 3), "total_size": 500 * MB, "blocks": [_block(500, frames=MOE)]},
+        {"device": 1, "segment_pool_id": (0, 0), "total_size": 64 * MB, "blocks": [_block(64, frames=MOE)]},
+    ]}
+
+
+def test_the_default_pools_blocks_made_in_the_step_are_summed_by_the_nearest_frame_of_ours_or_a_library():
+    found = left_allocated(_snapshot(), device_index=0)
+    assert found["reserved_mb"] == 120.0
+    assert found["live_mb"] == 48 + 20 + 20 + 2
+    assert (found["made_in_step_mb"], found["made_in_step_blocks"]) == (70.0, 3)
+    assert found["by_frame"] == [
+        {"where": "k3/megatron/moe.py:120 (forward)", "mb": 68.0, "blocks": 2, "largest_mb": 48.0},
+        # no frame of ours but the profiler's own: the library's
+        {"where": "megatron/core/transformer/moe/router.py:55 (routing)", "mb": 2.0, "blocks": 1, "largest_mb": 2.0},
+    ]
+
+
+def test_beyond_the_shown_frames_the_rest_is_one_row_and_a_block_without_python_frames_says_so():
+    blocks = [_block(float(i + 1), frames=[_frame(f"/r/k3/m{i}.py", i, "f")]) for i in range(SHOWN + 3)]
+    blocks.append(_block(0.5, frames=[_frame("<built-in>", 0, "?")]))  # no Python file: unattributed
+    found = left_allocated({"segments": [{"device": 0, "total_size": 10**9, "blocks": blocks}]})
+    rows = found["by_frame"]
+    assert len(rows) == SHOWN and rows[0]["where"] == f"k3/m{SHOWN + 2}.py:{SHOWN + 2} (f)"
+    rest = rows[-1]
+    assert rest["where"] == "(other frames)" and rest["blocks"] == 5  # frames 0-3 and the unattributed block
+    assert rest["mb"] == pytest.approx(1 + 2 + 3 + 4 + 0.5) and rest["largest_mb"] == 4.0
+    alone = left_allocated({"segments": [{"device": 0, "total_size": MB, "blocks": blocks[-1:]}]})
+    assert alone["by_frame"][0]["where"] == "(no Python frame recorded)"
+
+
+def test_the_profile_text_carries_the_section_when_the_summary_holds_it():
+    found = left_allocated(_snapshot())
+    summary = {"wall_s": 1.0, "total_ms": 10.0, "unit": "cuda", "rows": []}
+    assert "left allocated" not in summary_text(summary, "step 1")
+    text = summary_text({**summary, "left_allocated": found}, "step 1")
+    assert text.endswith(left_allocated_text(found))
+    assert ("left allocated in the default pool after the step: 90.0 MiB live in 120.0 MiB of segments; 70.0 MiB in "
+            "3 blocks made during the step") in text
+    assert "      68.0       2      48.0  k3/megatron/moe.py:120 (forward)" in text
+
+
+def test_without_cuda_the_call_runs_and_nothing_is_recorded():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert record_step_memory(lambda: 41 + 1) == (42, None)
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_tensor_kept_by_the_step_is_attributed_to_the_line_that_made_it():
+    kept: list[torch.Tensor] = []
+
+    def step() -> int:
+        scratch = torch.empty(8 * MB, dtype=torch.uint8, device="cuda")  # freed when the step returns
+        kept.append(torch.empty(4 * MB, dtype=torch.uint8, device="cuda"))
+        del scratch
+        return 7
+
+    result, found = record_step_memory(step)
+    assert result == 7 and found is not None
+    assert found["made_in_step_blocks"] == 1 and found["made_in_step_mb"] == pytest.approx(4.0)
+    (row,) = found["by_frame"]
+    assert row["where"].startswith("unit/test_step_memory.py:") and row["where"].endswith(" (step)"), row
+    assert len(kept) == 1
