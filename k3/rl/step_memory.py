@@ -76,22 +76,44 @@ def left_allocated(snapshot: dict[str, Any], device_index: int = 0) -> dict[str,
 def record_step_memory(fn: Callable[[], T]) -> tuple[T, dict[str, Any] | None]:
     """``fn()`` with the allocator's history recorded, and :func:`left_allocated` of the current device after it
     (garbage collected first, so only what is still referenced counts); None for the second on a machine without
-    CUDA. The history is switched off again whatever ``fn`` does."""
+    CUDA. A diagnostic never fails the step: if the allocator cannot record or be read, the second is ``{"error":
+    "..."}`` and the step's result stands. ``fn``'s own exceptions propagate, the history switched off."""
     if not torch.cuda.is_available():
         return fn(), None
-    torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES, stacks="python")
+    try:
+        torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES, stacks="python")
+    except Exception as e:  # noqa: BLE001 - see the docstring
+        return fn(), {"error": f"the allocator's history could not be recorded: {type(e).__name__}: {e}"}
     try:
         result = fn()
+    except BaseException:
+        _stop_history()
+        raise
+    try:
         torch.cuda.synchronize()
         gc.collect()
-        snapshot = torch.cuda.memory._snapshot()
-    finally:
+        found = left_allocated(torch.cuda.memory._snapshot(), torch.cuda.current_device())
+    except Exception as e:  # noqa: BLE001 - see the docstring
+        found = {"error": f"the allocator could not be read: {type(e).__name__}: {e}"}
+    stopped = _stop_history()
+    if stopped is not None:
+        found = {**found, "error": stopped}
+    return result, found
+
+
+def _stop_history() -> str | None:
+    """Switch the history off; what went wrong, if anything."""
+    try:
         torch.cuda.memory._record_memory_history(enabled=None)
-    return result, left_allocated(snapshot, torch.cuda.current_device())
+    except Exception as e:  # noqa: BLE001 - reported, not raised: the step is done
+        return f"the allocator's history could not be switched off: {type(e).__name__}: {e}"
+    return None
 
 
 def left_allocated_text(found: dict[str, Any]) -> str:
     """:func:`left_allocated` output as lines a person reads (for the step's profile text)."""
+    if "by_frame" not in found:
+        return f"left allocated in the default pool after the step: not recorded ({found.get('error', 'no data')})\n"
     lines = [f"left allocated in the default pool after the step: {found['live_mb']:.1f} MiB live in "
              f"{found['reserved_mb']:.1f} MiB of segments; {found['made_in_step_mb']:.1f} MiB in "
              f"{found['made_in_step_blocks']} blocks made during the step, by where they were allocated:", "",

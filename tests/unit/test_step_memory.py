@@ -102,3 +102,57 @@ def test_on_cuda_a_tensor_kept_by_the_step_is_attributed_to_the_line_that_made_i
     (row,) = found["by_frame"]
     assert row["where"].startswith("unit/test_step_memory.py:") and row["where"].endswith(" (step)"), row
     assert len(kept) == 1
+
+
+class _Refusing:
+    """Stands in for ``torch.cuda.memory``'s recorder, failing at the named call."""
+
+    def __init__(self, fail_at: str) -> None:
+        self.fail_at, self.calls = fail_at, []
+
+    def record(self, enabled="all", **kwargs) -> None:
+        what = "stop" if enabled is None else "start"
+        self.calls.append(what)
+        if what == self.fail_at:
+            raise RuntimeError(f"no {what} here")
+
+    def snapshot(self) -> dict:
+        self.calls.append("snapshot")
+        if self.fail_at == "snapshot":
+            raise RuntimeError("no snapshot here")
+        return _snapshot()
+
+
+@pytest.mark.parametrize("fail_at, says", [
+    ("start", "the allocator's history could not be recorded: RuntimeError: no start here"),
+    ("snapshot", "the allocator could not be read: RuntimeError: no snapshot here"),
+    ("stop", "the allocator's history could not be switched off: RuntimeError: no stop here"),
+])
+def test_a_recorder_that_fails_never_fails_the_step_and_the_profile_says_why(monkeypatch, fail_at, says):
+    fake = _Refusing(fail_at)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", fake.record)
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", fake.snapshot)
+    result, found = record_step_memory(lambda: "stepped")
+    assert result == "stepped" and found["error"] == says
+    assert fake.calls[-1] == ("start" if fail_at == "start" else "stop")  # never left recording
+    text = left_allocated_text(found)
+    if fail_at == "stop":  # the blocks were read: they are shown, the error kept in the json
+        assert text.startswith("left allocated in the default pool after the step: 90.0 MiB live")
+    else:
+        assert text == f"left allocated in the default pool after the step: not recorded ({says})\n"
+
+
+def test_a_step_that_raises_propagates_with_the_history_switched_off(monkeypatch):
+    fake = _Refusing("nothing")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", fake.record)
+
+    def step():
+        raise FloatingPointError("gradient norm is nan")
+
+    with pytest.raises(FloatingPointError, match="gradient norm is nan"):
+        record_step_memory(step)
+    assert fake.calls == ["start", "stop"]
