@@ -19,7 +19,7 @@ import contextlib
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["install", "installed"]
+__all__ = ["RESULT_FILE", "install", "installed", "run_workers", "save_result", "worker_result"]
 
 MEGATRON_VERSION = "0.16.1"
 _STATE = {"installed": False}
@@ -211,6 +211,28 @@ def installed() -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- launching workers
+RESULT_FILE = "result.pt"  # what a worker script saves into its folder for the test to read
+
+
+def save_result(result: dict, folder) -> None:
+    """The worker's side: ``result`` into ``folder/result.pt``, by global rank 0 only (a torchrun's other ranks
+    report through it)."""
+    import os
+    from pathlib import Path
+
+    if os.environ.get("RANK", "0") == "0":
+        torch.save(result, Path(folder) / RESULT_FILE)
+
+
+def worker_result(args: list[str], folder, nproc: int = 1, timeout: float = 240.0) -> dict:
+    """The test's side: run the worker ``args`` (:func:`run_workers`), which writes into ``folder`` (one of its
+    arguments), and return what it saved with :func:`save_result`."""
+    from pathlib import Path
+
+    run_workers(args, nproc=nproc, timeout=timeout)
+    return torch.load(Path(folder) / RESULT_FILE, weights_only=False)
+
+
 def run_workers(args: list[str], nproc: int = 1, timeout: float = 240.0, env: dict | None = None):
     """Run ``python <args>`` (``nproc == 1``) or ``torchrun --nproc-per-node nproc <args>`` from the repo root
     with one thread per process, a free port on 127.0.0.1 and a timeout; returns the CompletedProcess and

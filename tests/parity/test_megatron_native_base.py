@@ -68,18 +68,18 @@ def _worker(root: Path) -> dict:
 
 
 if __name__ == "__main__":
-    where = Path(sys.argv[1])
-    torch.save(_worker(where), where / "result.pt")
+    from megatron_compat import save_result
+
+    save_result(_worker(Path(sys.argv[1])), sys.argv[1])
 
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory) -> dict:
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
-    from megatron_compat import run_workers
+    from megatron_compat import worker_result
 
     tmp = tmp_path_factory.mktemp("megatron_native")
-    run_workers([__file__, str(tmp)], nproc=1)
-    return torch.load(tmp / "result.pt", weights_only=False)
+    return worker_result([__file__, str(tmp)], tmp)
 
 
 def test_native_hf_checkpoint_with_ref_load_trains_like_its_bf16_conversion(result):

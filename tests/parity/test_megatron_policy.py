@@ -192,7 +192,7 @@ def _layouts_worker(root: Path) -> dict:
     from k3.rl.trainers.megatron import build_megatron_policy
     from k3.settings.parallel import ParallelLayout
 
-    one_rank = torch.load(root / "result.pt", weights_only=False)
+    one_rank = torch.load(root / megatron_compat.RESULT_FILE, weights_only=False)  # the policy worker's
     lora = LoRAConfig(rank=RANK, alpha=ALPHA)
     grpo = GRPOConfig(lr=LAYOUT_LR, weight_decay=0.1, clip_grad=1.0)
     out = {}
@@ -256,18 +256,18 @@ if __name__ == "__main__":
     if sys.argv[1] == "layouts":
         _layouts_worker(where)
     else:
-        result = _policy_worker(where) if sys.argv[1] == "policy" else _loop_worker(where)
-        torch.save(result, where / "result.pt")
+        from megatron_compat import save_result
+
+        save_result(_policy_worker(where) if sys.argv[1] == "policy" else _loop_worker(where), where)
 
 
 # ---------------------------------------------------------------------------------------------- the tests
 @pytest.fixture(scope="module")
 def policy_results(tmp_path_factory) -> dict:
-    from megatron_compat import run_workers
+    from megatron_compat import worker_result
 
     tmp = tmp_path_factory.mktemp("megatron_policy")
-    run_workers([__file__, "policy", str(tmp)], nproc=1)
-    return {**torch.load(tmp / "result.pt", weights_only=False), "root": tmp}
+    return {**worker_result([__file__, "policy", str(tmp)], tmp), "root": tmp}
 
 
 @pytest.fixture(scope="module")
@@ -422,11 +422,10 @@ def test_bad_inputs_raise_clear_errors(policy_results, name, match):
 # ---------------------------------------------------------------------------------------------- the loop
 @pytest.fixture(scope="module")
 def loop_result(tmp_path_factory) -> dict:
-    from megatron_compat import run_workers
+    from megatron_compat import worker_result
 
     tmp = tmp_path_factory.mktemp("megatron_loop")
-    run_workers([__file__, "loop", str(tmp)], nproc=1)
-    return torch.load(tmp / "result.pt", weights_only=False)
+    return worker_result([__file__, "loop", str(tmp)], tmp)
 
 
 @pytest.fixture(scope="module")

@@ -150,23 +150,19 @@ def _plain_ddp_has_no_param_data(config) -> bool:
 
 
 if __name__ == "__main__":
-    import os
+    from megatron_compat import save_result
 
-    where = Path(sys.argv[1])
-    got = _worker(where, sys.argv[2])
-    if os.environ.get("RANK", "0") == "0":
-        torch.save(got, where / "result.pt")
+    save_result(_worker(Path(sys.argv[1]), sys.argv[2]), sys.argv[1])
 
 
 # ---------------------------------------------------------------------------------------------- the tests
 @pytest.fixture(scope="module", params=[1, 2], ids=["one-rank", "dp2"])
 def result(request, tmp_path_factory) -> dict:
     """One rank, and two data-parallel gloo ranks (each sleeps and wakes; rank 0's results)."""
-    from megatron_compat import run_workers
+    from megatron_compat import worker_result
 
     tmp = tmp_path_factory.mktemp("megatron_sleep")
-    run_workers([__file__, str(tmp), "cpu"], nproc=request.param)
-    return torch.load(tmp / "result.pt", weights_only=False)
+    return worker_result([__file__, str(tmp), "cpu"], tmp, nproc=request.param)
 
 
 def test_sleep_moves_the_frozen_base_and_drops_the_ddp_gradient_buffers(result):
@@ -206,10 +202,9 @@ def test_on_cuda_under_torch_memory_saver(tmp_path):
     """The same on one GPU with the real saver: allocated stays while the trainer sleeps (paused memory keeps its
     virtual allocation), the base comes back bit for bit, the export reads the backups, training is unchanged."""
     pytest.importorskip("torch_memory_saver")
-    from megatron_compat import run_workers
+    from megatron_compat import worker_result
 
-    run_workers([__file__, str(tmp_path), "cuda"], nproc=1)
-    got = torch.load(tmp_path / "result.pt", weights_only=False)
+    got = worker_result([__file__, str(tmp_path), "cuda"], tmp_path)
     before, after = got["sleep"]
     assert after["memory/allocated_gb"] == before["memory/allocated_gb"]
     assert after["memory/physical_gb"] < before["memory/physical_gb"]
