@@ -23,7 +23,7 @@ from k3.transport.device_memory import DEFAULT_POOL
 __all__ = ["HISTORY_ENTRIES", "left_allocated", "left_allocated_text", "record_step_memory"]
 
 T = TypeVar("T")
-HISTORY_ENTRIES = 200_000  # allocator events kept (a 4layer step makes ~50k)
+HISTORY_ENTRIES = 200_000  # allocator events kept; older ones drop out (their blocks then show no frames)
 SHOWN = 12  # frames listed, most bytes first
 MB = 2**20
 # The frame a block is attributed to: the innermost one in this repository, else in a library it drives.
