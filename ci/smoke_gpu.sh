@@ -80,10 +80,10 @@
 # SMOKE_GPU_BALLAST (1; 0: no budget, each actor capped only); K3_NUM_ROLLOUT (20); SMOKE_GPU_RESPONSE_LEN (512);
 # SMOKE_GPU_WORK (/tmp/k3-smoke-gpu: checkpoint, torch_dist copy, data; kept and reused between runs);
 # SMOKE_GPU_DEADLINE_S (570); SMOKE_GPU_PROFILE_STEP (1: the optimizer step run under torch.profiler, its summary
-# copied to OUT as train_step_1_rank0.txt); SMOKE_GPU_NO_DANCE=1: the same run without the trainer's sleep and the engine's
+# copied to OUT as train_step_1_rank0.txt; the next step's allocator record as train_step_2_memory_rank0.txt); SMOKE_GPU_NO_DANCE=1: the same run without the trainer's sleep and the engine's
 # release (--no-offload-train, K3_OFFLOAD_ROLLOUT_LEVEL="", --no-lora-base-cpu-backup), to record that it runs out
 # of memory under the same budget; OUT (runs/smoke-gpu): where the log, verdict.json, summary.md, report.html,
-# metrics.jsonl, resolved_config.txt and the step's profile go (7 files; the run itself is $SMOKE_GPU_WORK/run, or SMOKE_GPU_RUN_DIR).
+# metrics.jsonl, resolved_config.txt and the two steps' profiles go (8 files; the run itself is $SMOKE_GPU_WORK/run, or SMOKE_GPU_RUN_DIR).
 #
 # Exit: 0 every criterion of the gpu tier passed; 1 a criterion failed; 3 something PENDING or MISSING; 2 a
 # precondition is missing (nothing was started); otherwise the failing step's exit code.
@@ -122,6 +122,7 @@ BUDGET_GIB=${SMOKE_GPU_MEMORY_GIB:-35}
 CONTEXT_GIB=${SMOKE_GPU_CONTEXT_GIB:-1.5}
 ROLLOUTS=${K3_NUM_ROLLOUT:-20}
 PROFILE_STEP=${SMOKE_GPU_PROFILE_STEP:-1}  # the second step: the first carries the compiles and autotuning
+MEMORY_STEP=$((PROFILE_STEP + 1))  # what it leaves allocated: recorded on the next step (k3/rl/step_memory.py)
 (( PROFILE_STEP < ROLLOUTS )) || PROFILE_STEP=$(( ROLLOUTS - 1 ))  # one optimizer step per rollout here
 RESPONSE_LEN=${SMOKE_GPU_RESPONSE_LEN:-512}
 WORK=${SMOKE_GPU_WORK:-/tmp/k3-smoke-gpu}
@@ -282,6 +283,8 @@ timeout 60 "$PY" -m harness.cli report "$RUN" --tier gpu --finished --out "$OUT/
 cp "$RUN/metrics.jsonl" "$RUN/resolved_config.txt" "$OUT/" 2>/dev/null
 cp "$RUN/profile/train_step_${PROFILE_STEP}_rank0.txt" "$OUT/" 2>/dev/null &&
     echo "smoke-gpu: where optimizer step $PROFILE_STEP's time went: $OUT/train_step_${PROFILE_STEP}_rank0.txt"
+cp "$RUN/profile/train_step_${MEMORY_STEP}_memory_rank0.txt" "$OUT/" 2>/dev/null &&
+    echo "smoke-gpu: what optimizer step $MEMORY_STEP left allocated: $OUT/train_step_${MEMORY_STEP}_memory_rank0.txt"
 echo "smoke-gpu: $(elapsed)s; k3 train exit $train_rc; verdict exit $check_rc; in $OUT: verdict.json summary.md report.html metrics.jsonl resolved_config.txt smoke_gpu.log"
 if (( check_rc == 0 && train_rc != 0 )); then exit "$train_rc"; fi
 exit "$check_rc"

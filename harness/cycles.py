@@ -13,8 +13,8 @@ is about the loop), so it is taken out. Three ways to get it, the first one the 
    (rollout events when there are no sync events), minus the ``perf/eval_time`` of evals logged in between;
    a cycle holding an eval of unknown duration is left out.
 
-Whatever the rule, a cycle whose training step ran under the profiler (``perf/profiled_step`` on its ``train``
-event: ``k3 train --profile-train-step``) is left out too: the profiler's own cost is in its time.
+Whatever the rule, a cycle whose training step was profiled, for its time or its memory (``perf/profiled_step`` on
+its ``train`` event: ``k3 train --profile-train-step``) is left out too: the profiler's own cost is in its time.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def cycle_times(run: RunData) -> CycleTimes:
     for i, p in run.series(PROFILED_STEP).items():
         if i in out.cycles:
             del out.cycles[i]
-            out.excluded[i] = f"its optimizer step {_fmt_step(p.value)} ran under the profiler"
+            out.excluded[i] = f"its optimizer step {_fmt_step(p.value)} was profiled"
     return out
 
 

@@ -121,8 +121,11 @@ class TrainArgs:
     profile_train_step: int | None = opt(
         None, "run optimizer step N (0 = the first) under torch.profiler on every trainer rank and write where its "
         "time went to <run_dir>/profile/train_step_N_rank<R>.txt (and .json): the most expensive GPU kernels (CPU "
-        "operators without a GPU), each with the operators, input shapes and line of code that launched it; the "
-        "step itself runs as usual, a little slower (default: none)", group="logging", ours=True)
+        "operators without a GPU), each with the operators, input shapes and line of code that launched it; on a "
+        "GPU, step N + 1 then runs with the allocator's history recorded, and what it leaves allocated goes to "
+        "train_step_<N+1>_memory_rank<R>.txt (and .json), summed by the line that allocated it; both steps run as "
+        "usual, a little slower, and their cycle times are left out of the cycle-time check (default: none)",
+        group="logging", ours=True)
     cuda_core_dump: bool = opt(False, "write a CUDA core dump to --output-dir when a kernel faults",
                                group="cluster")
     distributed_timeout_minutes: int = opt(10, "timeout of collective operations, minutes", group="cluster")

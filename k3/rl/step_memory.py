@@ -1,4 +1,5 @@
-"""What one training step leaves allocated on the device (``--profile-train-step``, beside its time profile).
+"""What one training step leaves allocated on the device (``--profile-train-step N``: step N + 1's, beside step N's
+time profile).
 
 A sleeping trainer pauses its torch_memory_saver regions; what stays on the device is the caching allocator's own
 pool (``k3.transport.device_memory.default_pool_usage``). The first H100 smoke-gpu runs kept 1.44–1.46 GB there
@@ -7,20 +8,26 @@ activation, in 1.39 GB of segments those blocks keep from being returned. The re
 which code made it. The step runs with CUDA's allocator history recorded (Python stacks); afterwards every live
 block of the default pool that the step allocated is attributed to the nearest frame of this repository's code or
 of the libraries it drives (megatron, fla, torch's own Python), and the blocks are summed per frame.
+
+It records the step after the profiled one, never the same step: on the H100 (torch 2.11), the history's Python
+stacks under ``torch.profiler``'s Python tracer (``with_stack=True``) made an autograd Function's ``apply`` return
+NULL without an exception, and the step failed with a SystemError.
 """
 
 from __future__ import annotations
 
 import gc
+import json
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
 from k3.transport.device_memory import DEFAULT_POOL
 
-__all__ = ["HISTORY_ENTRIES", "left_allocated", "left_allocated_text", "record_step_memory"]
+__all__ = ["HISTORY_ENTRIES", "left_allocated", "left_allocated_text", "record_step_memory", "write_step_memory"]
 
 T = TypeVar("T")
 HISTORY_ENTRIES = 200_000  # allocator events kept; older ones drop out (their blocks then show no frames)
@@ -120,3 +127,13 @@ def left_allocated_text(found: dict[str, Any]) -> str:
              f"{'MiB':>10} {'blocks':>7} {'largest':>9}  where"]
     lines += [f"{r['mb']:10.1f} {r['blocks']:7d} {r['largest_mb']:9.1f}  {r['where']}" for r in found["by_frame"]]
     return "\n".join(lines) + "\n"
+
+
+def write_step_memory(found: dict[str, Any], folder: Path, name: str, title: str) -> Path:
+    """Write :func:`left_allocated` output (or its ``{"error"}``) to ``<folder>/<name>.json`` and ``.txt``, the text
+    headed by ``title``; returns the text file's path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.json").write_text(json.dumps(found, indent=1) + "\n")
+    text = folder / f"{name}.txt"
+    text.write_text(f"{title}\n\n{left_allocated_text(found)}")
+    return text

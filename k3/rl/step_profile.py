@@ -6,8 +6,7 @@ the line to fix. The first H100 smoke-gpu run needed exactly that: 77% of a step
 kernel name alone did not tie to ``o_proj`` (docs/PERFORMANCE.md, "The Megatron training step on the GPU").
 
 Written per rank as ``<name>.json`` (every number) and ``<name>.txt`` (the table a person reads), under the run's
-``profile/`` folder; on CUDA both also say what the step left allocated outside the saver's regions
-(``k3.rl.step_memory``, under ``left_allocated``).
+``profile/`` folder. What the next step leaves allocated is ``k3.rl.step_memory``'s.
 """
 
 from __future__ import annotations
@@ -21,8 +20,6 @@ from typing import Any, TypeVar
 
 import torch
 from torch.profiler import ProfilerActivity, profile
-
-from k3.rl.step_memory import left_allocated_text
 
 __all__ = ["PROFILE_DIR", "PROFILED_STEP", "profile_call", "summary_text", "top_kernels", "write_profile"]
 
@@ -113,18 +110,14 @@ def profile_call(fn: Callable[[], T], top: int = 25) -> tuple[T, dict[str, Any]]
 
 
 def summary_text(summary: dict[str, Any], title: str) -> str:
-    """The summary as a table: one line per kernel (ms, share, calls, name), its launchers indented below; then
-    what the step left allocated, when the summary holds it (``left_allocated``)."""
+    """The summary as a table: one line per kernel (ms, share, calls, name), its launchers indented below."""
     lines = [f"{title}: {summary['wall_s']:.3f} s wall; {summary['total_ms']:.1f} ms of {summary['unit'].upper()} "
              f"time in all, the top {len(summary['rows'])} below", "",
              f"{'ms':>10} {'share':>7} {'calls':>7}  name"]
     for row in summary["rows"]:
         lines.append(f"{row['ms']:10.1f} {row['share']:7.1%} {row['calls']:7d}  {row['name'][:120]}")
         lines += [f"{'':27}{b['ms']:.1f} ms: {b['by'][:200]}" for b in row["launched_by"]]
-    text = "\n".join(lines) + "\n"
-    if summary.get("left_allocated"):
-        text += "\n" + left_allocated_text(summary["left_allocated"])
-    return text
+    return "\n".join(lines) + "\n"
 
 
 def write_profile(summary: dict[str, Any], folder: Path, name: str, title: str) -> Path:

@@ -30,7 +30,7 @@ from k3.lora.digest import chunk_digest
 from k3.lora.export import export_chunks, load_peft_adapter, save_peft_adapter
 from k3.rl.grpo import GRPOConfig, load_torch_optimizer_state, optimizer_kind
 from k3.rl.replicas import replica_digests
-from k3.rl.step_memory import record_step_memory
+from k3.rl.step_memory import record_step_memory, write_step_memory
 from k3.rl.step_profile import PROFILED_STEP, profile_call, write_profile
 from k3.rl.trainers.megatron import build_megatron_policy
 from k3.rl.trainers.memory_regions import TrainerMemory, TrainerMemoryError, resident_bytes, trainer_regions
@@ -199,14 +199,19 @@ class TrainerWorker:
 
     def train_step(self, trajs: list[Trajectory]) -> dict[str, float]:
         self._awake("train_step")
-        step = self.spec.profile_train_step
-        if step is None or self.policy.steps != step:
+        profiled, step = self.spec.profile_train_step, self.policy.steps
+        if profiled is None or step not in (profiled, profiled + 1):
             return self.policy.train_step(trajs)
-        (stats, left), summary = profile_call(lambda: record_step_memory(lambda: self.policy.train_step(trajs)))
-        if left is not None:
-            summary["left_allocated"] = left  # what stays in the default pool, by where the step allocated it
-        where = write_profile(summary, Path(self.spec.profile_dir), f"train_step_{step}_rank{self.rank}",
-                              f"optimizer step {step}, trainer rank {self.rank}, {len(trajs)} samples")
+        title = f"optimizer step {step}, trainer rank {self.rank}, {len(trajs)} samples"
+        if step == profiled:  # where its time goes
+            stats, summary = profile_call(lambda: self.policy.train_step(trajs))
+            where = write_profile(summary, Path(self.spec.profile_dir), f"train_step_{step}_rank{self.rank}", title)
+        else:  # what the next step leaves allocated: never under the profiler (k3.rl.step_memory says why)
+            stats, left = record_step_memory(lambda: self.policy.train_step(trajs))
+            if left is None:  # no CUDA: no allocator to read
+                return stats
+            where = write_step_memory(left, Path(self.spec.profile_dir),
+                                      f"train_step_{step}_memory_rank{self.rank}", title)
         print(f"trainer rank {self.rank}: optimizer step {step} profiled: {where}", flush=True)
         return {**stats, PROFILED_STEP: float(step)}  # the harness leaves this cycle's time out
 

@@ -147,7 +147,7 @@ class TrainingSettings:
     ``distributed_timeout_minutes``: the timeout of every collective of the trainer's process groups (megatron;
     the torch backend has none). ``profile_train_step``: the optimizer step (0 = the run's first) each trainer
     rank runs under ``torch.profiler`` and summarises into the run's ``profile/`` folder (``k3.rl.step_profile``);
-    None: none."""
+    on CUDA the step after it also records what it leaves allocated there (``k3.rl.step_memory``); None: none."""
 
     num_steps_per_rollout: int
     use_dynamic_batch_size: bool

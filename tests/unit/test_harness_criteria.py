@@ -334,8 +334,8 @@ def test_a_profiled_cycle_is_left_out_and_named():
     run = scalar_run("perf/cycle_time", seconds, perf__profiled_step={2: 1.0})
     r = evaluate(c, run)
     assert r.status is Status.PASS, r.summary
-    assert r.evidence["excluded"] == {2: "its optimizer step 1 ran under the profiler"}
-    assert r.summary.endswith("; left out: cycle 2 its optimizer step 1 ran under the profiler")
+    assert r.evidence["excluded"] == {2: "its optimizer step 1 was profiled"}
+    assert r.summary.endswith("; left out: cycle 2 its optimizer step 1 was profiled")
     assert evaluate(c, scalar_run("perf/cycle_time", seconds)).status is Status.FAIL  # unmarked, it counts
 
 

@@ -146,7 +146,8 @@ def test_the_script_judges_by_the_gpu_tier_and_writes_what_comes_back():
     # the device brings back at most 8 files of $OUT, 2 folders deep
     written = set(re.findall(r'\$OUT/([\w.${}]+)', text)) | {"metrics.jsonl", "resolved_config.txt"}
     assert written == {"smoke_gpu.log", "verdict.json", "summary.md", "report.html", "metrics.jsonl",
-                       "resolved_config.txt", "train_step_${PROFILE_STEP}_rank0.txt"}
+                       "resolved_config.txt", "train_step_${PROFILE_STEP}_rank0.txt",
+                       "train_step_${MEMORY_STEP}_memory_rank0.txt"}
     assert "RUN=${SMOKE_GPU_RUN_DIR:-$WORK/run}" in text  # the run's own many files stay out of $OUT
     assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
 

@@ -4,11 +4,12 @@ the step made, summed by where they were allocated, read from an allocator snaps
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
-from k3.rl.step_memory import SHOWN, left_allocated, left_allocated_text, record_step_memory
-from k3.rl.step_profile import summary_text
+from k3.rl.step_memory import SHOWN, left_allocated, left_allocated_text, record_step_memory, write_step_memory
 
 MB = 2**20
 
@@ -69,15 +70,16 @@ def test_beyond_the_shown_frames_the_rest_is_one_row_and_a_block_without_python_
     assert alone["by_frame"][0]["where"] == "(no Python frame recorded)"
 
 
-def test_the_profile_text_carries_the_section_when_the_summary_holds_it():
+def test_the_record_is_written_as_json_and_text_headed_by_its_title(tmp_path):
     found = left_allocated(_snapshot())
-    summary = {"wall_s": 1.0, "total_ms": 10.0, "unit": "cuda", "rows": []}
-    assert "left allocated" not in summary_text(summary, "step 1")
-    text = summary_text({**summary, "left_allocated": found}, "step 1")
-    assert text.endswith(left_allocated_text(found))
+    path = write_step_memory(found, tmp_path / "profile", "train_step_2_memory_rank0", "optimizer step 2")
+    assert path == tmp_path / "profile" / "train_step_2_memory_rank0.txt"
+    text = path.read_text()
+    assert text == "optimizer step 2\n\n" + left_allocated_text(found)
     assert ("left allocated in the default pool after the step: 90.0 MiB live in 120.0 MiB of segments; 70.0 MiB in "
             "3 blocks made during the step") in text
     assert "      68.0       2      48.0  k3/megatron/moe.py:120 (forward)" in text
+    assert json.loads((tmp_path / "profile" / "train_step_2_memory_rank0.json").read_text()) == found
 
 
 def test_without_cuda_the_call_runs_and_nothing_is_recorded():
@@ -102,6 +104,35 @@ def test_on_cuda_a_tensor_kept_by_the_step_is_attributed_to_the_line_that_made_i
     (row,) = found["by_frame"]
     assert row["where"].startswith("unit/test_step_memory.py:") and row["where"].endswith(" (step)"), row
     assert len(kept) == 1
+
+
+class _Doubled(torch.autograd.Function):
+    """A custom autograd Function, as fla's kernels and megatron's recompute are: its ``apply`` runs under the
+    recorder (the H100 SystemError came from one, with the profiler's Python tracer on as well)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+        return g * 2
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_step_through_a_custom_autograd_function_records_and_its_gradient_is_exact():
+    x = torch.ones(1024, 1024, device="cuda", requires_grad=True)
+
+    def step() -> float:
+        y = _Doubled.apply(x)
+        y.sum().backward()
+        return float(y.sum())
+
+    result, found = record_step_memory(step)
+    assert result == 2.0 * 1024 * 1024 and "error" not in found
+    assert torch.equal(x.grad, torch.full_like(x, 2.0))
+    # x.grad is the one block the step made and kept: 4 MiB, allocated by torch's autograd for the leaf
+    assert found["made_in_step_mb"] == pytest.approx(4.0), found
 
 
 class _Refusing:

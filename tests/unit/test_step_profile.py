@@ -89,6 +89,47 @@ def test_a_trainer_rank_profiles_exactly_the_step_it_was_given(tmp_path):
                                                                          "train_step_1_rank2.txt"]
 
 
+def test_on_cuda_the_step_after_the_profiled_one_records_memory_and_never_under_the_profiler(tmp_path, monkeypatch):
+    import k3.rl.trainer_worker as tw
+
+    base = write_tiny_checkpoint(tmp_path / "base")
+    spec = WorkerSpec(model_dir=str(base), lora=LoRAConfig(rank=4, alpha=8.0), seed=3, profile_train_step=0,
+                      profile_dir=str(tmp_path / "profile"))
+    worker = tw.TrainerWorker(spec, GRPOConfig(lr=5e-3), 64, rank=1)
+    trajs = trajectories(worker.policy.model.config.vocab_size)
+    for t, lp in zip(trajs, worker.log_probs(trajs)):
+        t.old_log_probs = lp
+    profiling = []  # whether the profiler was running at each record (the H100's SystemError came from both)
+    real_profile_call = tw.profile_call
+
+    def watched_profile_call(fn):
+        profiling.append("profiler")
+        try:
+            return real_profile_call(fn)
+        finally:
+            profiling.pop()
+
+    def recording(fn):  # stands in for the CUDA recorder: what it would report
+        recorded.append(list(profiling))
+        return fn(), {"reserved_mb": 4.0, "live_mb": 2.0, "made_in_step_mb": 2.0, "made_in_step_blocks": 1,
+                      "by_frame": [{"where": "k3/megatron/moe.py:1 (f)", "mb": 2.0, "blocks": 1, "largest_mb": 2.0}]}
+
+    recorded: list[list[str]] = []
+    monkeypatch.setattr(tw, "profile_call", watched_profile_call)
+    monkeypatch.setattr(tw, "record_step_memory", recording)
+    assert worker.train_step(trajs)["perf/profiled_step"] == 0.0
+    assert recorded == []
+    assert worker.train_step(trajs)["perf/profiled_step"] == 1.0
+    assert recorded == [[]]  # step 1 alone, with no profiler around it
+    assert "perf/profiled_step" not in worker.train_step(trajs)
+    assert sorted(p.name for p in (tmp_path / "profile").iterdir()) == [
+        "train_step_0_rank1.json", "train_step_0_rank1.txt",
+        "train_step_1_memory_rank1.json", "train_step_1_memory_rank1.txt"]
+    text = (tmp_path / "profile" / "train_step_1_memory_rank1.txt").read_text()
+    assert text.startswith(f"optimizer step 1, trainer rank 1, {len(trajs)} samples\n\nleft allocated in the "
+                           "default pool after the step: 2.0 MiB live in 4.0 MiB of segments")
+
+
 def test_a_worker_spec_that_would_profile_without_a_folder_is_refused():
     with pytest.raises(ValueError, match="profile_train_step=1 needs profile_dir"):
         WorkerSpec(model_dir="m", lora=LoRAConfig(rank=4, alpha=8.0), profile_train_step=1)
