@@ -66,9 +66,9 @@ from megatron.core.optimizer.optimizer import ChainedOptimizer
 from k3.settings.train import (keep_hyperparameters, optimizer_kind_problem, optimizer_options_problem,
                                restore_hyperparameters)
 
-__all__ = ["OptimizerOptionError", "build_megatron_optimizer", "check_optimizer_options", "is_distributed",
-           "load_optimizer_state_dict", "optimizer_kind", "optimizer_state_dict", "reload_main_params",
-           "require_offload_device"]
+__all__ = ["OptimizerOptionError", "build_megatron_optimizer", "check_optimizer_options", "fresh_adam_state",
+           "is_distributed", "load_optimizer_state_dict", "optimizer_kind", "optimizer_state_dict",
+           "reload_main_params", "require_offload_device"]
 
 DP_RESHARDABLE = "dp_reshardable"  # megatron's name of the per-rank, bucket-ordered parameter-state format
 KIND_KEY = "optimizer_kind"  # the tag of a distributed SGD part's state (megatron's Adam state has none)
@@ -238,10 +238,18 @@ def _load_hybrid_adam(part: DistributedOptimizer, part_state: dict[str, Any]) ->
         for sub in hybrid.sub_optimizers:
             for group in sub.param_groups:
                 for param in group["params"]:
-                    sub.state[param].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(param),
-                                            exp_avg_sq=torch.zeros_like(param))
+                    sub.state[param].update(fresh_adam_state(param, group))
         hybrid._sync_sub_optimizers_state_to_hdo()
     part.load_parameter_state_from_dp_reshardable(part_state["param_state"])
+
+
+def fresh_adam_state(param: torch.Tensor, group: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The state torch's Adam makes for ``param`` at its first step, at step 0: zero moments beside ``param``, and
+    a float32 ``step`` on ``param``'s device for a fused or capturable group (the fused CUDA kernel refuses a host
+    ``step``), on the host otherwise."""
+    on_device = bool(group.get("fused") or group.get("capturable"))
+    return {"step": torch.zeros((), dtype=torch.float32, device=param.device if on_device else "cpu"),
+            "exp_avg": torch.zeros_like(param), "exp_avg_sq": torch.zeros_like(param)}
 
 
 def optimizer_state_dict(optimizer) -> dict[str, Any] | list[dict[str, Any]]:

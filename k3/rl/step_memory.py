@@ -5,21 +5,28 @@ A sleeping trainer pauses its torch_memory_saver regions; what stays on the devi
 pool (``k3.transport.device_memory.default_pool_usage``). The first H100 smoke-gpu runs kept 1.44–1.46 GB there
 after a training step and 0.08 GB before any: 0.57 GB of live blocks the size of a ``[tokens, 7168]`` BF16
 activation, in 1.39 GB of segments those blocks keep from being returned. The readings say how much; this says
-which code made it. The step runs with CUDA's allocator history recorded (Python stacks); afterwards every live
-block of the default pool that the step allocated is attributed to the nearest frame of this repository's code or
-of the libraries it drives (megatron, fla, torch's own Python), and the blocks are summed per frame.
+who holds it.
 
-It records the step after the profiled one, never the same step: on the H100 (torch 2.11), the history's Python
-stacks under ``torch.profiler``'s Python tracer (``with_stack=True``) made an autograd Function's ``apply`` return
-NULL without an exception, and the step failed with a SystemError.
+After the step (garbage collected first), every live block of the default pool is matched with the CUDA tensors
+Python can reach (and their ``.grad``): a block holding one is charged to that tensor's holder, read from the
+garbage collector's referrers (``Policy.attr``, ``Module._buffers['name']``, a list). A block no reachable tensor
+lies in is held where Python cannot name it: a running function's local, an autograd graph something still
+references, a C++ or library cache.
+Blocks that were not live before the step are counted as the step's.
+
+Not the allocator's recorded history: on the H100 (torch 2.11), recording it with Python stacks made an autograd
+Function's ``apply`` inside the training step return NULL without an exception (SystemError), with or without
+``torch.profiler`` running.
 """
 
 from __future__ import annotations
 
 import gc
 import json
-import re
-from collections.abc import Callable
+import sys
+import types
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -27,105 +34,224 @@ import torch
 
 from k3.transport.device_memory import DEFAULT_POOL
 
-__all__ = ["HISTORY_ENTRIES", "left_allocated", "left_allocated_text", "record_step_memory", "write_step_memory"]
+__all__ = ["LOOKED_UP", "NOT_LOOKED_UP", "OUTSIDE_PYTHON", "TensorView", "holder_of", "left_allocated", "left_allocated_text", "live_blocks", "reachable_tensors",
+           "record_step_memory", "write_step_memory"]
 
 T = TypeVar("T")
-HISTORY_ENTRIES = 200_000  # allocator events kept; older ones drop out (their blocks then show no frames)
-SHOWN = 12  # frames listed, most bytes first
+SHOWN = 12  # holders listed, most bytes first
+LOOKED_UP = 16  # the largest live blocks whose holders are looked up (each lookup scans every Python object)
+NOT_LOOKED_UP = f"(smaller than the {LOOKED_UP} largest blocks: holder not looked up)"
 MB = 2**20
-# The frame a block is attributed to: the innermost one in this repository, else in a library it drives.
-OURS = re.compile(r"(?:^|/)((?:k3|bench)/[^\s]*)$")
-LIBRARIES = re.compile(r"(?:^|/)((?:megatron|fla|torch_memory_saver|torch)/[^\s]*)$")
-SELF = "k3/rl/step_memory.py"
+# No Python object holds it that the garbage collector sees: a running function's local (its frame is not an
+# object), an autograd graph something still references, a C++ or library cache.
+OUTSIDE_PYTHON = "(no holder Python can name: a running function's local, an autograd graph, a C++ cache)"
 
 
-def _where(frames: list[dict[str, Any]]) -> str:
-    """``path:line (function)`` of the frame a block is attributed to (module docstring; failing both, the innermost
-    Python frame, by its last two path parts); frames are innermost first, as the allocator records them."""
-    for pattern in (OURS, LIBRARIES):
-        for f in frames:
-            found = pattern.search(str(f.get("filename", "")))
-            if found and not found.group(1).startswith(SELF):
-                return f"{found.group(1)}:{f.get('line', '?')} ({f.get('name', '?')})"
-    for f in frames:
-        path = str(f.get("filename", ""))
-        if path.endswith(".py") and not path.endswith(SELF):
-            return f"{'/'.join(path.split('/')[-2:])}:{f.get('line', '?')} ({f.get('name', '?')})"
-    return "(no Python frame recorded)"
+@dataclass(frozen=True)
+class TensorView:
+    """A tensor's storage as the allocator sees it: ``[ptr, ptr + nbytes)``, who holds it and what it is."""
+
+    ptr: int
+    nbytes: int
+    holder: str
+    what: str  # shape and dtype, e.g. "[3533, 7168] bfloat16"
 
 
-def left_allocated(snapshot: dict[str, Any], device_index: int = 0) -> dict[str, Any]:
-    """Of ``torch.cuda.memory._snapshot()`` output taken after a step recorded with history: the default pool's
-    segments on ``device_index``, their live blocks, and those the step allocated (a block with recorded frames),
-    summed per frame. Sizes in MiB. ``{"reserved_mb", "live_mb", "made_in_step_mb", "made_in_step_blocks", "by_frame":
-    [{"where", "mb", "blocks", "largest_mb"}, ...]}``, most bytes first, at most :data:`SHOWN` frames (the rest
-    summed as ``"(other frames)"``)."""
-    segments = [s for s in snapshot.get("segments", []) if s.get("device", 0) == device_index
-                and tuple(s.get("segment_pool_id", DEFAULT_POOL)) == DEFAULT_POOL]
-    live = [b for s in segments for b in s["blocks"] if b["state"] == "active_allocated"]
-    made = [b for b in live if b.get("frames")]
-    groups: dict[str, list[int]] = {}
-    for b in made:
-        groups.setdefault(_where(b["frames"]), []).append(int(b["size"]))
-    rows = sorted(({"where": w, "mb": sum(s) / MB, "blocks": len(s), "largest_mb": max(s) / MB}
-                   for w, s in groups.items()), key=lambda r: (-r["mb"], r["where"]))
+def live_blocks(snapshot: dict[str, Any], device_index: int = 0) -> tuple[list[tuple[int, int]], int]:
+    """Of ``torch.cuda.memory._snapshot()`` output: the default pool's live blocks on ``device_index`` as
+    ``(address, size)`` (bytes), and the bytes of the default pool's segments. A block without its own address is
+    placed after the ones before it in its segment (the snapshot lists a segment's blocks in address order)."""
+    blocks, reserved = [], 0
+    for seg in snapshot.get("segments", []):
+        if seg.get("device", 0) != device_index or tuple(seg.get("segment_pool_id", DEFAULT_POOL)) != DEFAULT_POOL:
+            continue
+        reserved += int(seg["total_size"])
+        at = int(seg.get("address", 0))
+        for b in seg["blocks"]:
+            address = int(b.get("address", at))
+            if b["state"] == "active_allocated":
+                blocks.append((address, int(b["size"])))
+            at = address + int(b["size"])
+    return blocks, reserved
+
+
+def left_allocated(blocks: list[tuple[int, int]], reserved: int, tensors: Iterable[TensorView],
+                   before: set[int] | None = None, looked_up: set[int] | None = None) -> dict[str, Any]:
+    """The default pool's live ``blocks`` (:func:`live_blocks`) charged to the ``tensors`` whose storage starts in
+    them (the first such tensor's holder; none: :data:`OUTSIDE_PYTHON`). ``before``: the addresses of the blocks
+    live before the step; ``looked_up``: the addresses of the blocks whose tensors were searched (None: all), the
+    others :data:`NOT_LOOKED_UP` unless a tensor is found in them. Sizes in MiB: ``{"reserved_mb", "live_mb", "made_in_step_mb", "made_in_step_blocks",
+    "by_holder": [{"holder", "what", "mb", "blocks", "largest_mb", "in_step_mb"}, ...]}``, most bytes first, at
+    most :data:`SHOWN` rows (the rest summed as ``"(other holders)"``)."""
+    ordered = sorted(blocks)
+    starts = [a for a, _ in ordered]
+    owner: dict[int, TensorView] = {}
+    for view in sorted(tensors, key=lambda v: (v.ptr, v.holder)):
+        i = _block_index(starts, view.ptr)
+        if i is not None and view.ptr < ordered[i][0] + ordered[i][1]:
+            owner.setdefault(ordered[i][0], view)
+    before = set() if before is None else before
+    groups: dict[tuple[str, str], list[tuple[int, bool]]] = {}
+    for address, size in ordered:
+        view = owner.get(address)
+        unknown = OUTSIDE_PYTHON if looked_up is None or address in looked_up else NOT_LOOKED_UP
+        key = (view.holder, view.what) if view else (unknown, "")
+        groups.setdefault(key, []).append((size, address not in before))
+    rows = [{"holder": h, "what": w, "mb": sum(s for s, _ in g) / MB, "blocks": len(g),
+             "largest_mb": max(s for s, _ in g) / MB, "in_step_mb": sum(s for s, new in g if new) / MB}
+            for (h, w), g in groups.items()]
+    rows.sort(key=lambda r: (-r["mb"], r["holder"], r["what"]))
     if len(rows) > SHOWN:
         rest = rows[SHOWN - 1:]
-        rows = rows[:SHOWN - 1] + [{"where": "(other frames)", "mb": sum(r["mb"] for r in rest),
+        rows = rows[:SHOWN - 1] + [{"holder": "(other holders)", "what": "", "mb": sum(r["mb"] for r in rest),
                                     "blocks": sum(r["blocks"] for r in rest),
-                                    "largest_mb": max(r["largest_mb"] for r in rest)}]
-    return {"reserved_mb": sum(int(s["total_size"]) for s in segments) / MB,
-            "live_mb": sum(int(b["size"]) for b in live) / MB,
-            "made_in_step_mb": sum(int(b["size"]) for b in made) / MB,
-            "made_in_step_blocks": len(made), "by_frame": rows}
+                                    "largest_mb": max(r["largest_mb"] for r in rest),
+                                    "in_step_mb": sum(r["in_step_mb"] for r in rest)}]
+    made = [size for address, size in ordered if address not in before]
+    return {"reserved_mb": reserved / MB, "live_mb": sum(s for _, s in ordered) / MB,
+            "made_in_step_mb": sum(made) / MB, "made_in_step_blocks": len(made), "by_holder": rows}
+
+
+def _block_index(starts: list[int], ptr: int) -> int | None:
+    """Index of the last block starting at or below ``ptr`` (``starts`` ascending)."""
+    lo, hi = 0, len(starts)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if starts[mid] <= ptr:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1 if lo else None
+
+
+def holder_of(t: torch.Tensor, ignore: Iterable[Any] = ()) -> str:
+    """Who references ``t``, by the garbage collector's referrers: ``Class.attr`` (or ``Class.attr['key']`` for a
+    dict attribute, as a module's ``_buffers``), ``dict['key']``, ``list of N``/``tuple of N``, ``frame f
+    (file:line)``, ``closure cell``; :data:`OUTSIDE_PYTHON` when Python holds it nowhere. Objects in ``ignore``
+    (the caller's own lists) and this module's frames are not holders."""
+    skip = {id(o) for o in ignore}
+    for r in gc.get_referrers(t):
+        if id(r) in skip or (isinstance(r, types.FrameType) and r.f_code.co_filename == __file__):
+            continue
+        if isinstance(r, dict):
+            return _dict_holder(r, _key_of(r, t), skip)
+        if isinstance(r, (list, tuple)):
+            return f"{type(r).__name__} of {len(r)}"
+        if isinstance(r, types.FrameType):
+            return f"frame {r.f_code.co_name} ({r.f_code.co_filename.rsplit('/', 2)[-1]}:{r.f_lineno})"
+        if isinstance(r, types.CellType):
+            return "closure cell"
+        attrs = getattr(r, "__dict__", None)  # an instance whose attributes Python keeps inline, not in a dict
+        key = _key_of(attrs, t) if isinstance(attrs, dict) else "?"
+        return type(r).__qualname__ if key == "?" else f"{type(r).__qualname__}.{key}"
+    return OUTSIDE_PYTHON
+
+
+def _key_of(mapping: dict, value: Any) -> Any:
+    """The key under which ``mapping`` holds ``value`` itself; ``"?"`` if none. (A plain loop: a generator over
+    ``value`` would hold it in a closure cell, which :func:`holder_of` would then find as a holder.)"""
+    for k, v in mapping.items():
+        if v is value:
+            return k
+    return "?"
+
+
+def _dict_holder(d: dict, key: Any, skip: set[int]) -> str:
+    """``d['key']`` named by the object ``d`` belongs to: ``Class.key`` when ``d`` is its ``__dict__``,
+    ``Class.attr['key']`` when ``d`` is one of its attributes, ``module m.key`` for a module's globals."""
+    if isinstance(d.get("__name__"), str) and getattr(sys.modules.get(d["__name__"]), "__dict__", None) is d:
+        return f"module {d['__name__']}.{key}"
+    for owner in gc.get_referrers(d):
+        if id(owner) in skip or isinstance(owner, types.FrameType):
+            continue
+        if getattr(owner, "__dict__", None) is d:
+            return f"{type(owner).__qualname__}.{key}"
+        if isinstance(owner, dict):  # d is an attribute: owner may be an object's __dict__
+            for obj in gc.get_referrers(owner):
+                if not isinstance(obj, types.FrameType) and getattr(obj, "__dict__", None) is owner:
+                    return f"{type(obj).__qualname__}.{_key_of(owner, d)}[{key!r}]"
+        attrs = getattr(owner, "__dict__", None)
+        if isinstance(attrs, dict) and _key_of(attrs, d) != "?":
+            return f"{type(owner).__qualname__}.{_key_of(attrs, d)}[{key!r}]"
+    return f"dict[{key!r}]"
+
+
+def reachable_tensors(device: torch.device | str, within: list[tuple[int, int]] | None = None) -> list[TensorView]:
+    """The tensors on ``device`` that the garbage collector can reach, and the ``.grad`` of each: storage, holder
+    (:func:`holder_of`) and shape. ``within``: only those whose storage starts inside one of these ``(address,
+    size)`` blocks (the holder lookup scans every object, so it is made only for those)."""
+    device = torch.device(device)
+    ordered = sorted(within) if within is not None else None
+    starts = [a for a, _ in ordered] if ordered is not None else []
+
+    def wanted(t: torch.Tensor) -> bool:
+        if ordered is None:
+            return True
+        ptr = t.untyped_storage().data_ptr()
+        i = _block_index(starts, ptr)
+        return i is not None and ptr < ordered[i][0] + ordered[i][1]
+
+    # type(), not isinstance: isinstance reads __class__, which some deprecated module proxies warn on
+    found: list[torch.Tensor] = [obj for obj in gc.get_objects()
+                                 if issubclass(type(obj), torch.Tensor) and obj.device == device]
+    grads = {id(t.grad) for t in found if t.is_leaf and t.grad is not None}  # listed below as their owner's
+    views = []
+    for t in found:
+        if id(t) in grads:
+            continue
+        grad = t.grad if t.is_leaf else None  # a non-leaf's .grad is None and warns when read
+        if grad is not None and (grad.device != device or not wanted(grad)):
+            grad = None
+        if not wanted(t) and grad is None:
+            continue
+        holder = holder_of(t, ignore=[found])
+        if wanted(t):
+            views.append(_view(t, holder))
+        if grad is not None:
+            views.append(_view(grad, f"{holder}.grad"))
+    return views
+
+
+def _view(t: torch.Tensor, holder: str) -> TensorView:
+    storage = t.untyped_storage()
+    return TensorView(storage.data_ptr(), storage.nbytes(), holder,
+                      f"[{', '.join(map(str, t.shape))}] {str(t.dtype).removeprefix('torch.')}")
 
 
 def record_step_memory(fn: Callable[[], T]) -> tuple[T, dict[str, Any] | None]:
-    """``fn()`` with the allocator's history recorded, and :func:`left_allocated` of the current device after it
-    (garbage collected first, so only what is still referenced counts); None for the second on a machine without
-    CUDA. A diagnostic never fails the step: if the allocator cannot record or be read, the second is ``{"error":
-    "..."}`` and the step's result stands. ``fn``'s own exceptions propagate, the history switched off."""
+    """``fn()``, then :func:`left_allocated` of the current CUDA device (garbage collected first, so only what is
+    still referenced counts); None for the second on a machine without CUDA. A diagnostic never fails the step:
+    if the allocator cannot be read, the second is ``{"error": "..."}`` and the step's result stands."""
     if not torch.cuda.is_available():
         return fn(), None
     try:
-        torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES, stacks="python")
+        device = torch.cuda.current_device()
+        before = {a for a, _ in live_blocks(torch.cuda.memory._snapshot(), device)[0]}
     except Exception as e:  # noqa: BLE001 - see the docstring
-        return fn(), {"error": f"the allocator's history could not be recorded: {type(e).__name__}: {e}"}
-    try:
-        result = fn()
-    except BaseException:
-        _stop_history()
-        raise
+        return fn(), {"error": f"the allocator could not be read: {type(e).__name__}: {e}"}
+    result = fn()
     try:
         torch.cuda.synchronize()
         gc.collect()
-        found = left_allocated(torch.cuda.memory._snapshot(), torch.cuda.current_device())
+        blocks, reserved = live_blocks(torch.cuda.memory._snapshot(), device)
+        largest = sorted(blocks, key=lambda b: -b[1])[:LOOKED_UP]
+        found = left_allocated(blocks, reserved, reachable_tensors(torch.device("cuda", device), largest), before,
+                               looked_up={a for a, _ in largest})
     except Exception as e:  # noqa: BLE001 - see the docstring
         found = {"error": f"the allocator could not be read: {type(e).__name__}: {e}"}
-    stopped = _stop_history()
-    if stopped is not None:
-        found = {**found, "error": stopped}
     return result, found
 
 
-def _stop_history() -> str | None:
-    """Switch the history off; what went wrong, if anything."""
-    try:
-        torch.cuda.memory._record_memory_history(enabled=None)
-    except Exception as e:  # noqa: BLE001 - reported, not raised: the step is done
-        return f"the allocator's history could not be switched off: {type(e).__name__}: {e}"
-    return None
-
-
 def left_allocated_text(found: dict[str, Any]) -> str:
-    """:func:`left_allocated` output as lines a person reads (for the step's profile text)."""
-    if "by_frame" not in found:
+    """:func:`left_allocated` output as lines a person reads."""
+    if "by_holder" not in found:
         return f"left allocated in the default pool after the step: not recorded ({found.get('error', 'no data')})\n"
     lines = [f"left allocated in the default pool after the step: {found['live_mb']:.1f} MiB live in "
              f"{found['reserved_mb']:.1f} MiB of segments; {found['made_in_step_mb']:.1f} MiB in "
-             f"{found['made_in_step_blocks']} blocks made during the step, by where they were allocated:", "",
-             f"{'MiB':>10} {'blocks':>7} {'largest':>9}  where"]
-    lines += [f"{r['mb']:10.1f} {r['blocks']:7d} {r['largest_mb']:9.1f}  {r['where']}" for r in found["by_frame"]]
+             f"{found['made_in_step_blocks']} blocks made during the step. By who holds them:", "",
+             f"{'MiB':>10} {'in step':>8} {'blocks':>7} {'largest':>9}  holder: first tensor"]
+    lines += [f"{r['mb']:10.1f} {r['in_step_mb']:8.1f} {r['blocks']:7d} {r['largest_mb']:9.1f}  {r['holder']}"
+              + (f": {r['what']}" if r["what"] else "") for r in found["by_holder"]]
     return "\n".join(lines) + "\n"
 
 

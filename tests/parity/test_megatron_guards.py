@@ -531,6 +531,26 @@ def _check_offload_runs(got: dict) -> None:
         assert run["resume_equal"] and run["fresh_resume_equal"] and run["adapter_load_kept"]
 
 
+@pytest.mark.parametrize("options, step_on", [({}, "cpu"), ({"fused": True}, "meta"), ({"capturable": True}, "meta")])
+def test_a_fresh_adam_state_is_what_torchs_adam_makes_with_step_beside_a_fused_groups_parameter(options, step_on):
+    """The fresh optimizer's state before a load (k3.megatron.optimizer._load_hybrid_adam): on the H100 a host
+    ``step`` beside a CUDA parameter made the fused AdamW kernel refuse the first step after a resume."""
+    from k3.megatron.optimizer import fresh_adam_state
+
+    param = torch.nn.Parameter(torch.ones(3, 2))
+    adam = torch.optim.Adam([param], lr=0.0)
+    param.grad = torch.zeros_like(param)
+    adam.step()  # lr 0: the state torch makes, its step advanced to 1
+    made = fresh_adam_state(param, {})
+    assert set(made) == set(adam.state[param])
+    for key, value in adam.state[param].items():
+        assert made[key].dtype == value.dtype and made[key].shape == value.shape and made[key].device == value.device
+    assert torch.equal(made["exp_avg"], torch.zeros(3, 2)) and float(made["step"]) == 0.0
+    on_meta = fresh_adam_state(torch.empty(3, 2, device="meta"), options)
+    assert on_meta["step"].device.type == step_on and on_meta["step"].dtype == torch.float32
+    assert on_meta["exp_avg"].device.type == "meta" and on_meta["exp_avg_sq"].shape == (3, 2)
+
+
 @pytest.mark.slow
 def test_cpu_offload_trains_as_the_distributed_optimizer_and_resumes_bit_for_bit(root):
     """CPU (the hybrid optimizer offloading as on a GPU, tests/megatron_compat.py): the offload is refused without

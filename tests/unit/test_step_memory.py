@@ -1,6 +1,6 @@
-"""What a profiled training step left allocated on the device (k3/rl/step_memory.py): the default pool's live blocks
-the step made, summed by where they were allocated, read from an allocator snapshot. CPU: a snapshot in the layout
-``torch.cuda.memory._snapshot()`` returns; on CUDA (``gpu``) the real recording."""
+"""What a training step left allocated on the device (k3/rl/step_memory.py): the default pool's live blocks, each
+charged to the holder of a tensor Python can reach inside it. CPU: snapshots in the layout
+``torch.cuda.memory._snapshot()`` returns, and holders of real CPU tensors; on CUDA (``gpu``) the real reading."""
 
 from __future__ import annotations
 
@@ -8,77 +8,125 @@ import json
 
 import pytest
 import torch
+from torch import nn
 
-from k3.rl.step_memory import SHOWN, left_allocated, left_allocated_text, record_step_memory, write_step_memory
+from k3.rl.step_memory import (NOT_LOOKED_UP, OUTSIDE_PYTHON, SHOWN, TensorView, holder_of, left_allocated, left_allocated_text,
+                               live_blocks, reachable_tensors, record_step_memory, write_step_memory)
 
 MB = 2**20
 
 
-def _frame(path: str, line: int, name: str) -> dict:
-    return {"filename": path, "line": line, "name": name}
-
-
-MOE = [_frame("/opt/venv/lib/python3.12/site-packages/torch/nn/functional.py", 10, "linear"),
-       _frame("/root/repo/k3/megatron/moe.py", 120, "forward"),
-       _frame("/root/repo/k3/rl/trainers/megatron.py", 300, "train_step")]
-ROUTER = [_frame("/site/megatron/core/transformer/moe/router.py", 55, "routing"),
-          _frame("/root/repo/k3/rl/step_memory.py", 90, "record_step_memory")]
-
-
-def _block(size_mb: float, state: str = "active_allocated", frames=None) -> dict:
+def _block(size_mb: float, state: str = "active_allocated", address: int | None = None) -> dict:
     b = {"size": int(size_mb * MB), "requested_size": int(size_mb * MB), "state": state}
-    if frames is not None:
-        b["frames"] = frames
+    if address is not None:
+        b["address"] = address
     return b
 
 
 def _snapshot() -> dict:
     return {"segments": [
-        # the default pool: two blocks made by the MoE layer, one by the router, one from before the step, free space
-        {"device": 0, "segment_pool_id": (0, 0), "total_size": 100 * MB,
-         "blocks": [_block(48, frames=MOE), _block(20, frames=MOE), _block(12, "inactive"), _block(20)]},
-        {"device": 0, "segment_pool_id": (0, 0), "total_size": 20 * MB,
-         "blocks": [_block(2, frames=ROUTER), _block(18, "inactive")]},
+        # the default pool: blocks without their own address sit one after the other from the segment's
+        {"device": 0, "segment_pool_id": (0, 0), "address": 1000 * MB, "total_size": 100 * MB,
+         "blocks": [_block(48), _block(20), _block(12, "inactive"), _block(20)]},
+        {"device": 0, "segment_pool_id": (0, 0), "address": 2000 * MB, "total_size": 20 * MB,
+         "blocks": [_block(2, address=2000 * MB), _block(18, "inactive", address=2002 * MB)]},
         # a private pool (the saver's region) and another device: not counted
-        {"device": 0, "segment_pool_id": (1, 3), "total_size": 500 * MB, "blocks": [_block(500, frames=MOE)]},
-        {"device": 1, "segment_pool_id": (0, 0), "total_size": 64 * MB, "blocks": [_block(64, frames=MOE)]},
+        {"device": 0, "segment_pool_id": (1, 3), "address": 3000 * MB, "total_size": 500 * MB,
+         "blocks": [_block(500)]},
+        {"device": 1, "segment_pool_id": (0, 0), "address": 4000 * MB, "total_size": 64 * MB,
+         "blocks": [_block(64)]},
     ]}
 
 
-def test_the_default_pools_blocks_made_in_the_step_are_summed_by_the_nearest_frame_of_ours_or_a_library():
-    found = left_allocated(_snapshot(), device_index=0)
-    assert found["reserved_mb"] == 120.0
-    assert found["live_mb"] == 48 + 20 + 20 + 2
-    assert (found["made_in_step_mb"], found["made_in_step_blocks"]) == (70.0, 3)
-    assert found["by_frame"] == [
-        {"where": "k3/megatron/moe.py:120 (forward)", "mb": 68.0, "blocks": 2, "largest_mb": 48.0},
-        # no frame of ours but the profiler's own: the library's
-        {"where": "megatron/core/transformer/moe/router.py:55 (routing)", "mb": 2.0, "blocks": 1, "largest_mb": 2.0},
+def test_live_blocks_are_the_default_pools_on_the_device_with_their_addresses():
+    blocks, reserved = live_blocks(_snapshot(), device_index=0)
+    assert blocks == [(1000 * MB, 48 * MB), (1048 * MB, 20 * MB), (1080 * MB, 20 * MB), (2000 * MB, 2 * MB)]
+    assert reserved == 120 * MB
+    assert live_blocks(_snapshot(), device_index=1) == ([(4000 * MB, 64 * MB)], 64 * MB)
+
+
+def test_each_block_is_charged_to_the_holder_of_the_first_tensor_inside_it_and_the_rest_is_outside_python():
+    blocks, reserved = live_blocks(_snapshot())
+    views = [TensorView(1000 * MB + 4096, MB, "Policy.cache", "[1, 7168] bfloat16"),  # inside the first block
+             TensorView(1000 * MB, 48 * MB, "Policy.cache", "[3533, 7168] bfloat16"),  # its start: the same block
+             TensorView(1080 * MB, 20 * MB, "list of 2", "[10] float32"),
+             TensorView(5000 * MB, MB, "Elsewhere.x", "[1] float32")]  # in no live block: not counted
+    before = {1080 * MB, 2000 * MB}  # live before the step
+    found = left_allocated(blocks, reserved, views, before)
+    assert (found["reserved_mb"], found["live_mb"]) == (120.0, 90.0)
+    assert (found["made_in_step_mb"], found["made_in_step_blocks"]) == (68.0, 2)
+    assert found["by_holder"] == [
+        {"holder": "Policy.cache", "what": "[3533, 7168] bfloat16", "mb": 48.0, "blocks": 1, "largest_mb": 48.0,
+         "in_step_mb": 48.0},
+        {"holder": OUTSIDE_PYTHON, "what": "", "mb": 22.0, "blocks": 2, "largest_mb": 20.0, "in_step_mb": 20.0},
+        {"holder": "list of 2", "what": "[10] float32", "mb": 20.0, "blocks": 1, "largest_mb": 20.0,
+         "in_step_mb": 0.0},
     ]
+    text = left_allocated_text(found)
+    assert text.startswith("left allocated in the default pool after the step: 90.0 MiB live in 120.0 MiB of "
+                           "segments; 68.0 MiB in 2 blocks made during the step. By who holds them:")
+    assert "      48.0     48.0       1      48.0  Policy.cache: [3533, 7168] bfloat16\n" in text
+    assert f"      22.0     20.0       2      20.0  {OUTSIDE_PYTHON}\n" in text
 
 
-def test_beyond_the_shown_frames_the_rest_is_one_row_and_a_block_without_python_frames_says_so():
-    blocks = [_block(float(i + 1), frames=[_frame(f"/r/k3/m{i}.py", i, "f")]) for i in range(SHOWN + 3)]
-    blocks.append(_block(0.5, frames=[_frame("<built-in>", 0, "?")]))  # no Python file: unattributed
-    found = left_allocated({"segments": [{"device": 0, "total_size": 10**9, "blocks": blocks}]})
-    rows = found["by_frame"]
-    assert len(rows) == SHOWN and rows[0]["where"] == f"k3/m{SHOWN + 2}.py:{SHOWN + 2} (f)"
-    rest = rows[-1]
-    assert rest["where"] == "(other frames)" and rest["blocks"] == 5  # frames 0-3 and the unattributed block
-    assert rest["mb"] == pytest.approx(1 + 2 + 3 + 4 + 0.5) and rest["largest_mb"] == 4.0
-    alone = left_allocated({"segments": [{"device": 0, "total_size": MB, "blocks": blocks[-1:]}]})
-    assert alone["by_frame"][0]["where"] == "(no Python frame recorded)"
+def test_blocks_whose_tensors_were_not_searched_say_so_unless_a_tensor_was_found_in_them():
+    blocks, reserved = live_blocks(_snapshot())
+    views = [TensorView(2000 * MB, 2 * MB, "Adam.state", "[2] float32")]
+    found = left_allocated(blocks, reserved, views, looked_up={1000 * MB})
+    assert [(r["holder"], r["mb"]) for r in found["by_holder"]] == [
+        (OUTSIDE_PYTHON, 48.0), (NOT_LOOKED_UP, 40.0), ("Adam.state", 2.0)]
+
+
+def test_beyond_the_shown_holders_the_rest_is_one_row():
+    blocks = [(k * 100 * MB, (k + 1) * MB) for k in range(SHOWN + 3)]
+    views = [TensorView(a, s, f"H{a // MB:05d}", "[1] float32") for a, s in blocks]
+    found = left_allocated(blocks, 10**9, views)
+    rows = found["by_holder"]
+    assert len(rows) == SHOWN and rows[0]["mb"] == SHOWN + 3 and rows[-1]["holder"] == "(other holders)"
+    assert rows[-1]["blocks"] == 4 and rows[-1]["mb"] == 1 + 2 + 3 + 4 and rows[-1]["largest_mb"] == 4.0
+    assert found["made_in_step_blocks"] == SHOWN + 3  # nothing was live before
+
+
+class Keeper:
+    pass
+
+
+def test_holders_are_named_by_the_object_attribute_buffer_or_container_that_references_them():
+    kept = Keeper()
+    kept.cache = torch.zeros(3)
+    assert holder_of(kept.cache, ignore=[vars(kept)]) != "Keeper.cache"  # its one holder ignored: not that one
+    assert holder_of(kept.cache) == "Keeper.cache"
+    norm = nn.Module()
+    norm.register_buffer("scale", torch.ones(2))
+    assert holder_of(norm.scale) == "Module._buffers['scale']"
+    listed = [torch.zeros(1), 5]
+    assert holder_of(listed[0]) == "list of 2"
+    assert holder_of({"k": torch.zeros(1)}["k"]) in ("dict['k']", OUTSIDE_PYTHON)
+
+    def make():
+        local = torch.zeros(4)
+        return holder_of(local)
+    assert make() == OUTSIDE_PYTHON  # a running function's frame is no object the collector sees
+
+
+def test_reachable_tensors_within_the_blocks_come_with_their_holders_shapes_and_grads():
+    kept = Keeper()
+    kept.weight = torch.ones(2, 3, requires_grad=True)
+    kept.weight.grad = torch.full((2, 3), 2.0)
+    other = torch.zeros(5)
+    within = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in (kept.weight, kept.weight.grad)]
+    views = reachable_tensors("cpu", within)
+    assert sorted((v.holder, v.what, v.nbytes) for v in views) == [
+        ("Keeper.weight", "[2, 3] float32", 24), ("Keeper.weight.grad", "[2, 3] float32", 24)]
+    assert other.untyped_storage().data_ptr() not in {v.ptr for v in views}
 
 
 def test_the_record_is_written_as_json_and_text_headed_by_its_title(tmp_path):
-    found = left_allocated(_snapshot())
+    blocks, reserved = live_blocks(_snapshot())
+    found = left_allocated(blocks, reserved, [])
     path = write_step_memory(found, tmp_path / "profile", "train_step_2_memory_rank0", "optimizer step 2")
     assert path == tmp_path / "profile" / "train_step_2_memory_rank0.txt"
-    text = path.read_text()
-    assert text == "optimizer step 2\n\n" + left_allocated_text(found)
-    assert ("left allocated in the default pool after the step: 90.0 MiB live in 120.0 MiB of segments; 70.0 MiB in "
-            "3 blocks made during the step") in text
-    assert "      68.0       2      48.0  k3/megatron/moe.py:120 (forward)" in text
+    assert path.read_text() == "optimizer step 2\n\n" + left_allocated_text(found)
     assert json.loads((tmp_path / "profile" / "train_step_2_memory_rank0.json").read_text()) == found
 
 
@@ -88,27 +136,41 @@ def test_without_cuda_the_call_runs_and_nothing_is_recorded():
     assert record_step_memory(lambda: 41 + 1) == (42, None)
 
 
-@pytest.mark.gpu
-def test_on_cuda_a_tensor_kept_by_the_step_is_attributed_to_the_line_that_made_it():
-    kept: list[torch.Tensor] = []
+@pytest.mark.parametrize("fail_at", [1, 2])
+def test_an_allocator_that_cannot_be_read_never_fails_the_step_and_the_record_says_why(monkeypatch, fail_at):
+    calls = []
 
-    def step() -> int:
-        scratch = torch.empty(8 * MB, dtype=torch.uint8, device="cuda")  # freed when the step returns
-        kept.append(torch.empty(4 * MB, dtype=torch.uint8, device="cuda"))
-        del scratch
-        return 7
+    def snapshot():
+        calls.append("snapshot")
+        if len(calls) == fail_at:
+            raise RuntimeError("no snapshot here")
+        return _snapshot()
 
-    result, found = record_step_memory(step)
-    assert result == 7 and found is not None
-    assert found["made_in_step_blocks"] == 1 and found["made_in_step_mb"] == pytest.approx(4.0)
-    (row,) = found["by_frame"]
-    assert row["where"].startswith("unit/test_step_memory.py:") and row["where"].endswith(" (step)"), row
-    assert len(kept) == 1
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", snapshot)
+    result, found = record_step_memory(lambda: "stepped")
+    assert result == "stepped"
+    assert found == {"error": "the allocator could not be read: RuntimeError: no snapshot here"}
+    assert left_allocated_text(found) == ("left allocated in the default pool after the step: not recorded (the "
+                                          "allocator could not be read: RuntimeError: no snapshot here)\n")
+
+
+def test_a_step_that_raises_propagates(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", _snapshot)
+
+    def step():
+        raise FloatingPointError("gradient norm is nan")
+
+    with pytest.raises(FloatingPointError, match="gradient norm is nan"):
+        record_step_memory(step)
 
 
 class _Doubled(torch.autograd.Function):
-    """A custom autograd Function, as fla's kernels and megatron's recompute are: its ``apply`` runs under the
-    recorder (the H100 SystemError came from one, with the profiler's Python tracer on as well)."""
+    """A custom autograd Function, as fla's kernels and megatron's recompute are."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
@@ -120,70 +182,23 @@ class _Doubled(torch.autograd.Function):
 
 
 @pytest.mark.gpu
-def test_on_cuda_a_step_through_a_custom_autograd_function_records_and_its_gradient_is_exact():
-    x = torch.ones(1024, 1024, device="cuda", requires_grad=True)
+def test_on_cuda_what_the_step_keeps_is_charged_to_its_holder_and_a_dropped_graph_leaves_nothing():
+    kept = Keeper()
+    x = torch.ones(1024, 1024, device="cuda", requires_grad=True)  # 4 MiB, live before the step
 
     def step() -> float:
+        scratch = torch.empty(8 * MB, dtype=torch.uint8, device="cuda")  # freed when the step returns
+        kept.cache = torch.empty(4 * MB, dtype=torch.uint8, device="cuda")
         y = _Doubled.apply(x)
         y.sum().backward()
+        del scratch
         return float(y.sum())
 
     result, found = record_step_memory(step)
-    assert result == 2.0 * 1024 * 1024 and "error" not in found
+    assert result == 2.0 * 1024 * 1024 and "error" not in found, found
     assert torch.equal(x.grad, torch.full_like(x, 2.0))
-    # x.grad is the one block the step made and kept: 4 MiB, allocated by torch's autograd for the leaf
-    assert found["made_in_step_mb"] == pytest.approx(4.0), found
-
-
-class _Refusing:
-    """Stands in for ``torch.cuda.memory``'s recorder, failing at the named call."""
-
-    def __init__(self, fail_at: str) -> None:
-        self.fail_at, self.calls = fail_at, []
-
-    def record(self, enabled="all", **kwargs) -> None:
-        what = "stop" if enabled is None else "start"
-        self.calls.append(what)
-        if what == self.fail_at:
-            raise RuntimeError(f"no {what} here")
-
-    def snapshot(self) -> dict:
-        self.calls.append("snapshot")
-        if self.fail_at == "snapshot":
-            raise RuntimeError("no snapshot here")
-        return _snapshot()
-
-
-@pytest.mark.parametrize("fail_at, says", [
-    ("start", "the allocator's history could not be recorded: RuntimeError: no start here"),
-    ("snapshot", "the allocator could not be read: RuntimeError: no snapshot here"),
-    ("stop", "the allocator's history could not be switched off: RuntimeError: no stop here"),
-])
-def test_a_recorder_that_fails_never_fails_the_step_and_the_profile_says_why(monkeypatch, fail_at, says):
-    fake = _Refusing(fail_at)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", fake.record)
-    monkeypatch.setattr(torch.cuda.memory, "_snapshot", fake.snapshot)
-    result, found = record_step_memory(lambda: "stepped")
-    assert result == "stepped" and found["error"] == says
-    assert fake.calls[-1] == ("start" if fail_at == "start" else "stop")  # never left recording
-    text = left_allocated_text(found)
-    if fail_at == "stop":  # the blocks were read: they are shown, the error kept in the json
-        assert text.startswith("left allocated in the default pool after the step: 90.0 MiB live")
-    else:
-        assert text == f"left allocated in the default pool after the step: not recorded ({says})\n"
-
-
-def test_a_step_that_raises_propagates_with_the_history_switched_off(monkeypatch):
-    fake = _Refusing("nothing")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", fake.record)
-
-    def step():
-        raise FloatingPointError("gradient norm is nan")
-
-    with pytest.raises(FloatingPointError, match="gradient norm is nan"):
-        record_step_memory(step)
-    assert fake.calls == ["start", "stop"]
+    rows = {r["holder"]: r for r in found["by_holder"]}
+    assert rows["Keeper.cache"]["what"] == f"[{4 * MB}] uint8" and rows["Keeper.cache"]["in_step_mb"] == 4.0
+    grad = next(r for h, r in rows.items() if h.endswith(".grad"))
+    assert grad["what"] == "[1024, 1024] float32" and grad["in_step_mb"] == 4.0
+    assert found["made_in_step_mb"] == pytest.approx(8.0, abs=0.1), found  # the cache and x.grad

@@ -112,7 +112,8 @@ def test_on_cuda_the_step_after_the_profiled_one_records_memory_and_never_under_
     def recording(fn):  # stands in for the CUDA recorder: what it would report
         recorded.append(list(profiling))
         return fn(), {"reserved_mb": 4.0, "live_mb": 2.0, "made_in_step_mb": 2.0, "made_in_step_blocks": 1,
-                      "by_frame": [{"where": "k3/megatron/moe.py:1 (f)", "mb": 2.0, "blocks": 1, "largest_mb": 2.0}]}
+                      "by_holder": [{"holder": "Policy.cache", "what": "[1] float32", "mb": 2.0, "blocks": 1,
+                                    "largest_mb": 2.0, "in_step_mb": 2.0}]}
 
     recorded: list[list[str]] = []
     monkeypatch.setattr(tw, "profile_call", watched_profile_call)
