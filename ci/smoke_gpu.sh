@@ -75,6 +75,11 @@
 #     a [3490 tokens, 7168] BF16 activation. SMOKE_GPU_NO_DANCE=1 at the same budget ran out of memory in the first
 #     training step, as it should: the trainer held 24.4 GiB and the engine, its weights kept, 12.0 GiB, beside the
 #     ballast's 42.7.
+#   - since (2026-12-05, H100, 651ae82 and 8b1e58d): recording the allocator's history to find those 0.57 GB made
+#     the training step fail (SystemError from an autograd Function's apply), so step 2 is now read by a census
+#     (k3/rl/step_memory.py). The cause was then found on CPU: megatron's token dispatcher kept its last call's
+#     routing probabilities, and with them the autograd graph back to the last micro-batch's layer inputs, until
+#     its next call; k3/megatron/moe.py releases them after the combine. Not yet rerun on a GPU.
 #
 # Variables: K3_PYTHON; SMOKE_GPU_EXPERTS (8); SMOKE_GPU_MEMORY_GIB (35); SMOKE_GPU_CONTEXT_GIB (1.5);
 # SMOKE_GPU_BALLAST (1; 0: no budget, each actor capped only); K3_NUM_ROLLOUT (20); SMOKE_GPU_RESPONSE_LEN (512);

@@ -31,7 +31,13 @@ from k3.megatron.sharded_state import expert_sharded_state_dict
 from k3.model.mlp import situ
 from k3.model.norm import RMSNorm
 
-__all__ = ["K3Router", "K3RoutedExperts", "K3LatentMoE"]
+__all__ = ["DISPATCH_CALL_STATE", "K3Router", "K3RoutedExperts", "K3LatentMoE", "release_dispatch_state"]
+
+# What megatron-core 0.16.1's dispatchers keep of their last call until the next one: the routing probabilities
+# (with their autograd graph, back through the router to the layer's input) and the routing maps. A training step's
+# last micro-batch would outlive the step through them: its layer inputs and the router's saved inputs, one set
+# per MoE layer, still allocated while the trainer sleeps.
+DISPATCH_CALL_STATE = ("probs", "local_probs", "routing_map", "local_map", "reversed_local_input_permutation_mapping")
 
 
 class K3Router(Router):
@@ -128,9 +134,18 @@ class K3LatentMoE(MegatronModule):
         z, probs = d.token_dispatch(z, probs)
         z, counts, permuted_probs = d.dispatch_postprocess(z, probs)
         u = d.combine_postprocess(d.token_combine(d.combine_preprocess(self.experts(z, counts, permuted_probs))))
+        release_dispatch_state(d)
         if self.routed_expert_norm is not None:
             u = self.routed_expert_norm(u)
         y = self.fc2_latent_proj(u)
         if self.shared_experts is not None:
             y = y + checkpointed(self.config, "shared_experts", self.training, self.shared_experts, hidden)
         return y
+
+
+def release_dispatch_state(dispatcher) -> None:
+    """Drop what ``dispatcher`` keeps of its last call (:data:`DISPATCH_CALL_STATE`), once the combine has used
+    it: the autograd graph holds what the backward needs, and the next call sets them anew."""
+    for name in DISPATCH_CALL_STATE:
+        if getattr(dispatcher, name, None) is not None:
+            setattr(dispatcher, name, None)

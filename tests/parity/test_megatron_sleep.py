@@ -31,6 +31,16 @@ def _digests(policy, version: int) -> list[str]:
     return [chunk_digest(c.tensors) for c in policy.export_chunks(version)]
 
 
+def _graph_left() -> dict:
+    """What Python can still reach of a step's autograd graphs (the trainer then sleeps with all it holds)."""
+    import gc
+
+    gc.collect()
+    objs = gc.get_objects()
+    return {"tensors_with_graph": sum(1 for o in objs if issubclass(type(o), torch.Tensor) and o.grad_fn is not None),
+            "function_contexts": sum(1 for o in objs if isinstance(o, torch.autograd.function.BackwardCFunction))}
+
+
 def _worker(root: Path, device: str) -> dict:
     """``device`` cpu: the CPU regions under tests/megatron_compat.py; cuda: torch_memory_saver's regions, megatron's
     own CUDA paths."""
@@ -60,6 +70,7 @@ def _worker(root: Path, device: str) -> dict:
     torch.save(policy.optimizer_state(), start_opt)
 
     out: dict = {"step1": policy.train_step(trajs)}
+    out["graph_after_step"] = _graph_left()
     out["export_awake"] = _digests(policy, 1)
     frozen = {n: p for n, p in policy.model.named_parameters() if not p.requires_grad}
     snapshot = {n: p.detach().clone() for n, p in frozen.items()}
@@ -176,6 +187,12 @@ def test_sleep_moves_the_frozen_base_and_drops_the_ddp_gradient_buffers(result):
     assert round(result["sleep"][1]["memory/allocated_gb"] * 2**30) == result["adapter_bytes"]
 
 
+def test_nothing_of_the_steps_autograd_graph_outlives_it(result):
+    """megatron's token dispatcher kept its last call's routing probabilities, and with them the graph back to the
+    last micro-batch's layer inputs, until its next call (k3.megatron.moe.release_dispatch_state)."""
+    assert result["graph_after_step"] == {"tensors_with_graph": 0, "function_contexts": 0}
+
+
 def test_wake_up_brings_the_base_back_bit_for_bit_with_zeroed_gradients(result):
     assert result["frozen_back"] and result["grads_zero_after_wake"] and result["woken"] == result["awake"]
 
@@ -211,6 +228,7 @@ def test_on_cuda_under_torch_memory_saver(tmp_path):
     assert got["frozen_back"] and got["grads_zero_after_wake"]
     assert got["export_asleep"] == got["export_awake"]
     assert got["plain"] == [got["step1"], got["step2"]] and got["same_adapters"]
+    assert got["graph_after_step"] == {"tensors_with_graph": 0, "function_contexts": 0}
 
 
 def test_a_shared_param_and_grad_buffer_is_refused_naming_the_way_out():
