@@ -125,10 +125,11 @@ def _block_index(starts: list[int], ptr: int) -> int | None:
 
 
 def holder_of(t: torch.Tensor, ignore: Iterable[Any] = ()) -> str:
-    """Who references ``t``, by the garbage collector's referrers: ``Class.attr`` (or ``Class.attr['key']`` for a
-    dict attribute, as a module's ``_buffers``), ``dict['key']``, ``list of N``/``tuple of N``, ``frame f
-    (file:line)``, ``closure cell``; :data:`OUTSIDE_PYTHON` when Python holds it nowhere. Objects in ``ignore``
-    (the caller's own lists) and this module's frames are not holders."""
+    """Who references ``t``, by the garbage collector's referrers: ``Class.attr``, ``Class.attr['key']`` for a
+    dict attribute (as a module's ``_buffers``), ``Class.attr[Parameter]['key']`` one dict deeper (as an
+    optimizer's ``state``), ``Class.attr (a key)`` for a dict keyed by ``t``, ``module m.name``, ``dict['key']``,
+    ``list of N``/``tuple of N``, ``frame f (file:line)``, ``closure cell``; :data:`OUTSIDE_PYTHON` when Python
+    holds it nowhere. Objects in ``ignore`` (the caller's own lists) and this module's frames are not holders."""
     skip = {id(o) for o in ignore}
     for r in gc.get_referrers(t):
         if id(r) in skip or (isinstance(r, types.FrameType) and r.f_code.co_filename == __file__):
@@ -142,38 +143,69 @@ def holder_of(t: torch.Tensor, ignore: Iterable[Any] = ()) -> str:
         if isinstance(r, types.CellType):
             return "closure cell"
         attrs = getattr(r, "__dict__", None)  # an instance whose attributes Python keeps inline, not in a dict
-        key = _key_of(attrs, t) if isinstance(attrs, dict) else "?"
-        return type(r).__qualname__ if key == "?" else f"{type(r).__qualname__}.{key}"
+        key = _key_of(attrs, t) if isinstance(attrs, dict) else None
+        return _name(r) if key is None else f"{_name(r)}.{key}"
     return OUTSIDE_PYTHON
 
 
+AS_KEY = object()  # :func:`_key_of`: the value is one of the mapping's keys
+
+
 def _key_of(mapping: dict, value: Any) -> Any:
-    """The key under which ``mapping`` holds ``value`` itself; ``"?"`` if none. (A plain loop: a generator over
-    ``value`` would hold it in a closure cell, which :func:`holder_of` would then find as a holder.)"""
+    """The key under which ``mapping`` holds ``value`` itself, :data:`AS_KEY` if ``value`` is a key, else None. (A
+    plain loop: a generator over ``value`` would hold it in a closure cell, which :func:`holder_of` would then
+    find as a holder.)"""
     for k, v in mapping.items():
         if v is value:
             return k
-    return "?"
+    for k in mapping:
+        if k is value:
+            return AS_KEY
+    return None
+
+
+def _name(obj: Any) -> str:
+    return f"module {obj.__name__}" if isinstance(obj, types.ModuleType) else type(obj).__qualname__
+
+
+def _item(key: Any) -> str:
+    """``['key']`` for a key a person can read; ``[Parameter]`` (its type) for an object key; `` (a key)``."""
+    if key is AS_KEY:
+        return " (a key)"
+    return f"[{key!r}]" if isinstance(key, (str, int)) or key is None else f"[{type(key).__name__}]"
 
 
 def _dict_holder(d: dict, key: Any, skip: set[int]) -> str:
-    """``d['key']`` named by the object ``d`` belongs to: ``Class.key`` when ``d`` is its ``__dict__``,
-    ``Class.attr['key']`` when ``d`` is one of its attributes, ``module m.key`` for a module's globals."""
+    """``d[key]`` named by what holds ``d``: an object whose ``__dict__`` it is (``Class.key``) or whose attribute it
+    is (``Class.attr[key]``), one dict deeper (``Class.attr[k][key]``), or a module's globals."""
     if isinstance(d.get("__name__"), str) and getattr(sys.modules.get(d["__name__"]), "__dict__", None) is d:
-        return f"module {d['__name__']}.{key}"
+        return f"module {d['__name__']}.{key}" if key is not AS_KEY else f"module {d['__name__']}{_item(key)}"
     for owner in gc.get_referrers(d):
         if id(owner) in skip or isinstance(owner, types.FrameType):
             continue
         if getattr(owner, "__dict__", None) is d:
-            return f"{type(owner).__qualname__}.{key}"
-        if isinstance(owner, dict):  # d is an attribute: owner may be an object's __dict__
+            return f"{_name(owner)}.{key}" if key is not AS_KEY else f"{_name(owner)}{_item(key)}"
+        named = _attribute(owner, d)
+        if named is not None:
+            return f"{named}{_item(key)}"
+        if isinstance(owner, dict):  # one dict deeper: owner maps something to d
+            inner = _key_of(owner, d)
             for obj in gc.get_referrers(owner):
-                if not isinstance(obj, types.FrameType) and getattr(obj, "__dict__", None) is owner:
-                    return f"{type(obj).__qualname__}.{_key_of(owner, d)}[{key!r}]"
-        attrs = getattr(owner, "__dict__", None)
-        if isinstance(attrs, dict) and _key_of(attrs, d) != "?":
-            return f"{type(owner).__qualname__}.{_key_of(attrs, d)}[{key!r}]"
-    return f"dict[{key!r}]"
+                if id(obj) in skip or isinstance(obj, types.FrameType):
+                    continue
+                if getattr(obj, "__dict__", None) is owner and isinstance(inner, str):  # d is obj's attribute
+                    return f"{_name(obj)}.{inner}{_item(key)}"
+                outer = _attribute(obj, owner)
+                if outer is not None:
+                    return f"{outer}{_item(inner)}{_item(key)}"
+    return f"dict{_item(key)}"
+
+
+def _attribute(obj: Any, d: dict) -> str | None:
+    """``Class.attr`` if ``d`` is one of ``obj``'s attributes, else None."""
+    attrs = getattr(obj, "__dict__", None)
+    attr = _key_of(attrs, d) if isinstance(attrs, dict) and attrs is not d else None
+    return None if attr is None or attr is AS_KEY else f"{_name(obj)}.{attr}"
 
 
 def reachable_tensors(device: torch.device | str, within: list[tuple[int, int]] | None = None) -> list[TensorView]:

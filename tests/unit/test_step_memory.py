@@ -99,6 +99,14 @@ def test_holders_are_named_by_the_object_attribute_buffer_or_container_that_refe
     norm = nn.Module()
     norm.register_buffer("scale", torch.ones(2))
     assert holder_of(norm.scale) == "Module._buffers['scale']"
+    adam = torch.optim.Adam([nn.Parameter(torch.ones(2))])
+    adam.param_groups[0]["params"][0].grad = torch.ones(2)
+    adam.step()
+    (state,) = adam.state.values()
+    assert holder_of(state["exp_avg"], ignore=[vars()]) == "Adam.state[Parameter]['exp_avg']"
+    keyed = Keeper()
+    keyed.buckets = {torch.zeros(1): "bucket 0"}
+    assert holder_of(next(iter(keyed.buckets))) == "Keeper.buckets (a key)"
     listed = [torch.zeros(1), 5]
     assert holder_of(listed[0]) == "list of 2"
     assert holder_of({"k": torch.zeros(1)}["k"]) in ("dict['k']", OUTSIDE_PYTHON)
