@@ -7,12 +7,16 @@ after a training step and 0.08 GB before any: 0.57 GB of live blocks the size of
 activation, in 1.39 GB of segments those blocks keep from being returned. The readings say how much; this says
 who holds it.
 
-After the step (garbage collected first), every live block of the default pool is matched with the CUDA tensors
-Python can reach (and their ``.grad``): a block holding one is charged to that tensor's holder, read from the
-garbage collector's referrers (``Policy.attr``, ``Module._buffers['name']``, a list). A block no reachable tensor
-lies in is held where Python cannot name it: a running function's local, an autograd graph something still
-references, a C++ or library cache.
-Blocks that were not live before the step are counted as the step's.
+After the step (garbage collected first), the largest live blocks of the default pool are matched with the CUDA
+tensors Python can reach (and their ``.grad``): a block holding one is charged to that tensor's holder, read from
+the garbage collector's referrers (``Policy.attr``, ``Module._buffers['name']``, ``Adam.state[Parameter]['exp_avg']``,
+a list). A block no reachable tensor lies in is held where Python cannot name it: a running function's local, an
+autograd graph something still references, a C++ or library cache. Blocks that were not live before the step are
+counted as the step's.
+
+The 0.57 GB turned out to be the last micro-batch's activations, held through megatron's token dispatcher
+(``k3.megatron.moe.release_dispatch_state``), found on CPU by watching layer inputs through weak references and
+counting the autograd contexts still alive after a step.
 
 Not the allocator's recorded history: on the H100 (torch 2.11), recording it with Python stacks made an autograd
 Function's ``apply`` inside the training step return NULL without an exception (SystemError), with or without
@@ -34,8 +38,8 @@ import torch
 
 from k3.transport.device_memory import DEFAULT_POOL
 
-__all__ = ["LOOKED_UP", "NOT_LOOKED_UP", "OUTSIDE_PYTHON", "TensorView", "holder_of", "left_allocated", "left_allocated_text", "live_blocks", "reachable_tensors",
-           "record_step_memory", "write_step_memory"]
+__all__ = ["LOOKED_UP", "NOT_LOOKED_UP", "OUTSIDE_PYTHON", "TensorView", "holder_of", "left_allocated",
+           "left_allocated_text", "live_blocks", "reachable_tensors", "record_step_memory", "write_step_memory"]
 
 T = TypeVar("T")
 SHOWN = 12  # holders listed, most bytes first
@@ -80,9 +84,10 @@ def left_allocated(blocks: list[tuple[int, int]], reserved: int, tensors: Iterab
     """The default pool's live ``blocks`` (:func:`live_blocks`) charged to the ``tensors`` whose storage starts in
     them (the first such tensor's holder; none: :data:`OUTSIDE_PYTHON`). ``before``: the addresses of the blocks
     live before the step; ``looked_up``: the addresses of the blocks whose tensors were searched (None: all), the
-    others :data:`NOT_LOOKED_UP` unless a tensor is found in them. Sizes in MiB: ``{"reserved_mb", "live_mb", "made_in_step_mb", "made_in_step_blocks",
-    "by_holder": [{"holder", "what", "mb", "blocks", "largest_mb", "in_step_mb"}, ...]}``, most bytes first, at
-    most :data:`SHOWN` rows (the rest summed as ``"(other holders)"``)."""
+    others :data:`NOT_LOOKED_UP` unless a tensor is found in them. Sizes in MiB: ``{"reserved_mb", "live_mb",
+    "made_in_step_mb", "made_in_step_blocks", "by_holder": [{"holder", "what", "mb", "blocks", "largest_mb",
+    "in_step_mb"}, ...]}``, most bytes first, at most :data:`SHOWN` rows (the rest summed as
+    ``"(other holders)"``)."""
     ordered = sorted(blocks)
     starts = [a for a, _ in ordered]
     owner: dict[int, TensorView] = {}

@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from k3.rl.step_memory import (NOT_LOOKED_UP, OUTSIDE_PYTHON, SHOWN, TensorView, holder_of, left_allocated, left_allocated_text,
-                               live_blocks, reachable_tensors, record_step_memory, write_step_memory)
+from k3.rl.step_memory import (NOT_LOOKED_UP, OUTSIDE_PYTHON, SHOWN, TensorView, holder_of, left_allocated,
+                               left_allocated_text, live_blocks, reachable_tensors, record_step_memory,
+                               write_step_memory)
 
 MB = 2**20
 
