@@ -28,6 +28,7 @@ from __future__ import annotations
 import gc
 import json
 import sys
+import time
 import types
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -38,13 +39,16 @@ import torch
 
 from k3.transport.device_memory import DEFAULT_POOL
 
-__all__ = ["LOOKED_UP", "NOT_LOOKED_UP", "OUTSIDE_PYTHON", "TensorView", "holder_of", "left_allocated",
-           "left_allocated_text", "live_blocks", "reachable_tensors", "record_step_memory", "write_step_memory"]
+__all__ = ["LOOKED_UP", "LOOKUP_STOPPED", "NOT_LOOKED_UP", "OUTSIDE_PYTHON", "TensorView", "holder_of",
+           "left_allocated", "left_allocated_text", "live_blocks", "reachable_tensors", "record_step_memory",
+           "write_step_memory"]
 
 T = TypeVar("T")
 SHOWN = 12  # holders listed, most bytes first
 LOOKED_UP = 16  # the largest live blocks whose holders are looked up (each lookup scans every Python object)
 NOT_LOOKED_UP = f"(smaller than the {LOOKED_UP} largest blocks: holder not looked up)"
+LOOKUP_BUDGET_S = 60.0  # seconds of holder lookups after a step, at most
+LOOKUP_STOPPED = "(holder not looked up: the lookups' time budget was spent)"
 MB = 2**20
 # No Python object holds it that the garbage collector sees: a running function's local (its frame is not an
 # object), an autograd graph something still references, a C++ or library cache.
@@ -132,25 +136,35 @@ def _block_index(starts: list[int], ptr: int) -> int | None:
 def holder_of(t: torch.Tensor, ignore: Iterable[Any] = ()) -> str:
     """Who references ``t``, by the garbage collector's referrers: ``Class.attr``, ``Class.attr['key']`` for a
     dict attribute (as a module's ``_buffers``), ``Class.attr[Parameter]['key']`` one dict deeper (as an
-    optimizer's ``state``), ``Class.attr (a key)`` for a dict keyed by ``t``, ``module m.name``, ``dict['key']``,
-    ``list of N``/``tuple of N``, ``frame f (file:line)``, ``closure cell``; :data:`OUTSIDE_PYTHON` when Python
-    holds it nowhere. Objects in ``ignore`` (the caller's own lists) and this module's frames are not holders."""
+    optimizer's ``state``), ``module m.name``, ``dict['key']``; failing those, a frame (``frame f (file:line)``)
+    or closure cell, a container (``list of N``, ``set of N``, an object's type), a dict keyed by ``t``
+    (``Class.attr (a key)``); :data:`OUTSIDE_PYTHON` when Python holds it nowhere. Objects in ``ignore`` (the
+    caller's own lists) and this module's frames are not holders."""
     skip = {id(o) for o in ignore}
+    # Named only when nothing holds t as a value or attribute: (preference, text), lower preferred.
+    fallback: list[tuple[int, str]] = []
     for r in gc.get_referrers(t):
         if id(r) in skip or (isinstance(r, types.FrameType) and r.f_code.co_filename == __file__):
             continue
         if isinstance(r, dict):
-            return _dict_holder(r, _key_of(r, t), skip)
-        if isinstance(r, (list, tuple)):
-            return f"{type(r).__name__} of {len(r)}"
-        if isinstance(r, types.FrameType):
-            return f"frame {r.f_code.co_name} ({r.f_code.co_filename.rsplit('/', 2)[-1]}:{r.f_lineno})"
-        if isinstance(r, types.CellType):
-            return "closure cell"
-        attrs = getattr(r, "__dict__", None)  # an instance whose attributes Python keeps inline, not in a dict
-        key = _key_of(attrs, t) if isinstance(attrs, dict) else None
-        return _name(r) if key is None else f"{_name(r)}.{key}"
-    return OUTSIDE_PYTHON
+            key = _key_of(r, t)
+            if key is not AS_KEY:
+                return _dict_holder(r, key, skip)
+            if not any(rank == 2 for rank, _ in fallback):  # each such name costs scans: the first one only
+                fallback.append((2, _dict_holder(r, key, skip)))
+        elif isinstance(r, (list, tuple, set, frozenset)):
+            fallback.append((1, f"{type(r).__name__} of {len(r)}"))
+        elif isinstance(r, types.FrameType):
+            fallback.append((0, f"frame {r.f_code.co_name} ({r.f_code.co_filename.rsplit('/', 2)[-1]}:{r.f_lineno})"))
+        elif isinstance(r, types.CellType):
+            fallback.append((0, "closure cell"))
+        else:
+            attrs = getattr(r, "__dict__", None)  # an instance whose attributes Python keeps inline
+            key = _key_of(attrs, t) if isinstance(attrs, dict) else None
+            if key is not None and key is not AS_KEY:
+                return f"{_name(r)}.{key}"
+            fallback.append((1, _name(r)))  # it holds t, but not by an attribute Python can name
+    return min(fallback, key=lambda f: f[0])[1] if fallback else OUTSIDE_PYTHON
 
 
 AS_KEY = object()  # :func:`_key_of`: the value is one of the mapping's keys
@@ -213,39 +227,48 @@ def _attribute(obj: Any, d: dict) -> str | None:
     return None if attr is None or attr is AS_KEY else f"{_name(obj)}.{attr}"
 
 
-def reachable_tensors(device: torch.device | str, within: list[tuple[int, int]] | None = None) -> list[TensorView]:
-    """The tensors on ``device`` that the garbage collector can reach, and the ``.grad`` of each: storage, holder
-    (:func:`holder_of`) and shape. ``within``: only those whose storage starts inside one of these ``(address,
-    size)`` blocks (the holder lookup scans every object, so it is made only for those)."""
+def reachable_tensors(device: torch.device | str, within: list[tuple[int, int]] | None = None,
+                      budget_s: float = LOOKUP_BUDGET_S) -> list[TensorView]:
+    """One tensor per allocation on ``device`` that the garbage collector can reach (a tensor or the ``.grad`` of
+    one): its storage, holder (:func:`holder_of`) and shape. ``within``: only allocations inside these ``(address,
+    size)`` blocks, one tensor per block (None: one per storage). A block's tensor is the first found that is not
+    a view of another, else the first found. Each holder lookup scans every Python object, so they stop after
+    ``budget_s`` seconds; the tensors left are named :data:`LOOKUP_STOPPED`."""
     device = torch.device(device)
-    ordered = sorted(within) if within is not None else None
-    starts = [a for a, _ in ordered] if ordered is not None else []
+    blocks = sorted(within) if within is not None else None
+    starts = [a for a, _ in blocks] if blocks is not None else []
 
-    def wanted(t: torch.Tensor) -> bool:
-        if ordered is None:
-            return True
+    def block_of(t: torch.Tensor) -> int | None:
         ptr = t.untyped_storage().data_ptr()
+        if blocks is None:
+            return ptr
         i = _block_index(starts, ptr)
-        return i is not None and ptr < ordered[i][0] + ordered[i][1]
+        return blocks[i][0] if i is not None and ptr < blocks[i][0] + blocks[i][1] else None
 
     # type(), not isinstance: isinstance reads __class__, which some deprecated module proxies warn on
     found: list[torch.Tensor] = [obj for obj in gc.get_objects()
                                  if issubclass(type(obj), torch.Tensor) and obj.device == device]
-    grads = {id(t.grad) for t in found if t.is_leaf and t.grad is not None}  # listed below as their owner's
-    views = []
+    grads = {id(t.grad) for t in found if t.is_leaf and t.grad is not None}  # taken below as their owner's
+    chosen: dict[int, list] = {}  # block -> [tensor, its owner (itself, or the tensor whose .grad it is), suffix]
     for t in found:
         if id(t) in grads:
             continue
         grad = t.grad if t.is_leaf else None  # a non-leaf's .grad is None and warns when read
-        if grad is not None and (grad.device != device or not wanted(grad)):
-            grad = None
-        if not wanted(t) and grad is None:
-            continue
-        holder = holder_of(t, ignore=[found])
-        if wanted(t):
-            views.append(_view(t, holder))
-        if grad is not None:
-            views.append(_view(grad, f"{holder}.grad"))
+        for tensor, suffix in ((t, ""), (grad, ".grad")):
+            if tensor is None or tensor.device != device:
+                continue
+            block = block_of(tensor)
+            if block is None:
+                continue
+            best = chosen.get(block)
+            if best is None or (best[0]._base is not None and tensor._base is None):
+                chosen[block] = [tensor, t, suffix]
+    views = []
+    ours = [found, *chosen.values()]
+    deadline = time.monotonic() + budget_s
+    for tensor, owner, suffix in chosen.values():
+        holder = holder_of(owner, ignore=ours) + suffix if time.monotonic() < deadline else LOOKUP_STOPPED
+        views.append(_view(tensor, holder))
     return views
 
 

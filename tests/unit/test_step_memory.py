@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from k3.rl.step_memory import (NOT_LOOKED_UP, OUTSIDE_PYTHON, SHOWN, TensorView, holder_of, left_allocated,
-                               left_allocated_text, live_blocks, reachable_tensors, record_step_memory,
-                               write_step_memory)
+from k3.rl.step_memory import (LOOKUP_STOPPED, NOT_LOOKED_UP, OUTSIDE_PYTHON, SHOWN, TensorView, holder_of,
+                               left_allocated, left_allocated_text, live_blocks, reachable_tensors,
+                               record_step_memory, write_step_memory)
 
 MB = 2**20
 
@@ -100,6 +100,10 @@ def test_holders_are_named_by_the_object_attribute_buffer_or_container_that_refe
     norm = nn.Module()
     norm.register_buffer("scale", torch.ones(2))
     assert holder_of(norm.scale) == "Module._buffers['scale']"
+    lin = nn.Linear(2, 2, bias=False)
+    seen = {lin.weight}  # a container that holds it too: the module's name for it wins
+    assert holder_of(lin.weight) == "Linear._parameters['weight']" and len(seen) == 1
+    assert holder_of(next(iter({torch.zeros(1)}))) in ("set of 1", OUTSIDE_PYTHON)
     adam = torch.optim.Adam([nn.Parameter(torch.ones(2))])
     adam.param_groups[0]["params"][0].grad = torch.ones(2)
     adam.step()
@@ -108,6 +112,8 @@ def test_holders_are_named_by_the_object_attribute_buffer_or_container_that_refe
     keyed = Keeper()
     keyed.buckets = {torch.zeros(1): "bucket 0"}
     assert holder_of(next(iter(keyed.buckets))) == "Keeper.buckets (a key)"
+    keyed.owner = next(iter(keyed.buckets))  # held as a value too: that names it
+    assert holder_of(keyed.owner) == "Keeper.owner"
     listed = [torch.zeros(1), 5]
     assert holder_of(listed[0]) == "list of 2"
     assert holder_of({"k": torch.zeros(1)}["k"]) in ("dict['k']", OUTSIDE_PYTHON)
@@ -128,6 +134,17 @@ def test_reachable_tensors_within_the_blocks_come_with_their_holders_shapes_and_
     assert sorted((v.holder, v.what, v.nbytes) for v in views) == [
         ("Keeper.weight", "[2, 3] float32", 24), ("Keeper.weight.grad", "[2, 3] float32", 24)]
     assert other.untyped_storage().data_ptr() not in {v.ptr for v in views}
+
+
+def test_one_tensor_per_block_is_looked_up_the_one_that_is_no_view_and_lookups_stop_at_their_budget():
+    kept = Keeper()
+    kept.flat = torch.zeros(64)
+    kept.pieces = [kept.flat[i:i + 16] for i in range(0, 64, 16)]  # views into the same block, found first or not
+    block = [(kept.flat.untyped_storage().data_ptr(), kept.flat.untyped_storage().nbytes())]
+    (view,) = reachable_tensors("cpu", block)
+    assert (view.holder, view.what, view.nbytes) == ("Keeper.flat", "[64] float32", 256)
+    (stopped,) = reachable_tensors("cpu", block, budget_s=0.0)
+    assert stopped.holder == LOOKUP_STOPPED and stopped.what == "[64] float32"
 
 
 def test_the_record_is_written_as_json_and_text_headed_by_its_title(tmp_path):
