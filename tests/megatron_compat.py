@@ -236,7 +236,10 @@ def worker_result(args: list[str], folder, nproc: int = 1, timeout: float = 240.
 def run_workers(args: list[str], nproc: int = 1, timeout: float = 240.0, env: dict | None = None):
     """Run ``python <args>`` (``nproc == 1``) or ``torchrun --nproc-per-node nproc <args>`` from the repo root
     with one thread per process, a free port on 127.0.0.1 and a timeout; returns the CompletedProcess and
-    raises AssertionError with the output tail when it fails. ``args[0]`` is a script path or ``-m module``."""
+    raises AssertionError with the output tail when it fails. ``args[0]`` is a script path or ``-m module``.
+
+    On a GPU the workers check numbers, not speed: ``K3_FLA_PINNED_CONFIGS=full`` (unless set) serves every fla
+    kernel key from the recorded configs, where a fresh host would autotune each new key for ~16 s."""
     import os
     import socket
     import subprocess
@@ -251,6 +254,7 @@ def run_workers(args: list[str], nproc: int = 1, timeout: float = 240.0, env: di
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         full_env = dict(os.environ)
+        full_env.setdefault("K3_FLA_PINNED_CONFIGS", "full")
         full_env.update(OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                         PYTHONPATH=os.pathsep.join([str(root), str(root / "tests"), full_env.get("PYTHONPATH", "")]),
                         PYTHONWARNINGS="ignore")

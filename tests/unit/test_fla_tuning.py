@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from k3.kernels.kda import tuning as fla_tuning
-from k3.kernels.kda.tuning import (SHIPPED, TunedConfig, gpu_dir_name, key_hash, parse_autotune_log,
-                                   pin_fla_configs, recorded_folder, write_config_dir)
+from k3.kernels.kda.tuning import (SHIPPED, TunedConfig, fla_config_env, gpu_dir_name, key_hash,
+                                   parse_autotune_log, pin_fla_configs, recorded_folder, write_config_dir)
 
 # Two blocks as Triton 3.6 prints them (from ci/gpu_fla_probe.py on the H200), with the candidates' lines and
 # an unrelated line between them.
@@ -59,11 +59,36 @@ def test_write_merges_entries_and_later_results_replace_earlier(tmp_path):
     assert entries[key_hash(first[0].key)] == {
         "autotune_key": list(first[0].key),
         "config": {"kwargs": {"BS": 64}, "num_warps": 2, "num_stages": 3, "num_ctas": 1, "maxnreg": None}}
-    # the first result stays the default (fla's full mode), later ones do not move it
-    assert data["default_config"] == {"kwargs": {"BS": 32}, "num_warps": 8, "num_stages": 3, "num_ctas": 1,
+    # widest shapes first (16 + 4 + 16 + 64 against 1 + 4 + 16 + 64), and the first entry is the default
+    assert list(entries) == [key_hash(first[0].key), key_hash(other.key)]
+    assert data["default_config"] == {"kwargs": {"BS": 64}, "num_warps": 2, "num_stages": 3, "num_ctas": 1,
                                       "maxnreg": None}
     assert json.loads((tmp_path / "manifest.json").read_text()) == {"fla-core": "0.6.0", "triton": "3.6.0"}
     assert (tmp_path / "chunk_gla_fwd_kernel_o.json").exists()
+
+
+def test_the_widest_shapes_come_first_whatever_the_recording_order(tmp_path):
+    """fla's full mode takes the first entry whose key has the same structure: a narrower shape must find the wide
+    config (it fits), a wider one must never find the tiny model's (it does not fit the GPU's shared memory)."""
+    tiny = TunedConfig("k", (4, 16, False, "torch.bfloat16"), {"BV": 32}, num_warps=4, num_stages=4)
+    wide = TunedConfig("k", (96, 128, False, "torch.bfloat16"), {"BV": 64}, num_warps=4, num_stages=2)
+    flag = TunedConfig("k", (8, 32, True, "torch.bfloat16"), {"BV": 16}, num_warps=2, num_stages=1)
+    write_config_dir([tiny], tmp_path)
+    write_config_dir([flag, wide], tmp_path)
+    data = json.loads((tmp_path / "k.json").read_text())
+    assert [e["autotune_key"][:2] for e in data["autotune_entries"].values()] == [[96, 128], [8, 32], [4, 16]]
+    assert data["default_config"] == wide.as_fla_config()
+    assert list(data) == ["autotune_entries", "default_config", "kernel_name"]
+
+
+def test_every_shipped_file_lists_its_widest_shapes_first():
+    for path in (SHIPPED / "NVIDIA_H200").glob("*.json"):
+        if path.name == "manifest.json":
+            continue
+        data = json.loads(path.read_text())
+        scales = [fla_tuning._shape_scale(e["autotune_key"]) for e in data["autotune_entries"].values()]
+        assert scales == sorted(scales, reverse=True), path.name
+        assert data["default_config"] == next(iter(data["autotune_entries"].values()))["config"], path.name
 
 
 def test_results_of_another_fla_version_need_their_own_folder(tmp_path):
@@ -127,6 +152,47 @@ def test_a_gpu_of_the_same_capability_takes_the_h200_folder(clean_env):
     assert pin_fla_configs("NVIDIA H100 80GB HBM3") is None  # no capability given: own folder only
     assert pin_fla_configs("NVIDIA A100-SXM4-80GB", capability="8.0") is None
     assert "FLA_CONFIG_DIR" not in os.environ
+
+
+def test_parity_checks_get_full_mode_and_a_user_s_setting_wins(clean_env):
+    """K3_FLA_PINNED_CONFIGS=full (the GPU parity workers): the same folder, every key served from it; nothing when
+    the user chose, when pinning is off, or for a GPU with no recorded folder of its own or its capability."""
+    import os
+
+    folder = str(SHIPPED / "NVIDIA_H200")
+    assert fla_config_env("NVIDIA H100 80GB HBM3", "9.0", "full") == {"FLA_CONFIG_DIR": folder,
+                                                                       "FLA_CACHE_MODE": "full"}
+    assert "FLA_CACHE_MODE" not in os.environ  # it only returns the environment
+    assert fla_config_env("NVIDIA A100-SXM4-80GB", "8.0", "full") == {}
+    assert fla_config_env(None, None, "full") == fla_config_env("NVIDIA H200", None, None) == {}
+    clean_env.setenv("K3_FLA_PINNED_CONFIGS", "full")
+    assert pin_fla_configs("NVIDIA H100 80GB HBM3", capability="9.0") == SHIPPED / "NVIDIA_H200"
+    assert (os.environ["FLA_CONFIG_DIR"], os.environ["FLA_CACHE_MODE"]) == (folder, "full")
+    clean_env.setenv("FLA_CACHE_MODE", "disabled")  # the user's (or an earlier pin's) setting is kept
+    assert fla_config_env("NVIDIA H200", None, "full") == {}
+    with pytest.raises(ValueError, match="'fuzzy': k3 pins 'strict' .* or 'full'"):
+        fla_config_env("NVIDIA H200", None, "fuzzy")
+
+
+@pytest.mark.parametrize("value, mode", [("1", "strict"), ("strict", "strict"), ("full", "full"), ("0", None)])
+def test_the_pinned_mode_comes_from_the_environment(clean_env, value, mode):
+    from k3.kernels.kda.tuning import pinned_mode
+
+    assert pinned_mode() == "strict"
+    clean_env.setenv("K3_FLA_PINNED_CONFIGS", value)
+    assert pinned_mode() == mode
+
+
+def test_an_unknown_pinned_mode_is_a_clear_error(clean_env):
+    clean_env.setenv("K3_FLA_PINNED_CONFIGS", "yes")
+    with pytest.raises(ValueError, match=r"K3_FLA_PINNED_CONFIGS='yes': expected strict .*full .*or 0"):
+        pin_fla_configs("NVIDIA H200")
+
+
+def test_another_fla_core_gets_no_configs(clean_env):
+    clean_env.setattr(fla_tuning.importlib.metadata, "version", lambda name: "0.7.0")
+    assert fla_config_env("NVIDIA H200", None, "full") == {}
+    assert pin_fla_configs("NVIDIA H200") is None
 
 
 def test_a_gpu_s_own_folder_wins_over_one_of_its_capability(tmp_path):

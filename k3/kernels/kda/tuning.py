@@ -24,11 +24,15 @@ to look them up). This module
   ``K3_FLA_PINNED_CONFIGS=0``, when no files were recorded for this GPU or its capability, or when the installed
   fla-core is not the version they were recorded with.
 
-Where only the numbers matter (the GPU parity tests), ``FLA_CACHE_MODE=full`` with ``FLA_CONFIG_DIR`` set to
-the folder uses a recorded config for *every* key (fla's fuzzy match, then the kernel's ``default_config``), so
-nothing autotunes and each kernel compiles once: correct results, not necessarily the fastest configs. Only
-for shapes near the recorded ones: the tiny model's configs at K3 head shapes (128) need more shared memory than
-an H200 has (Triton ``OutOfResources``, measured), so the KDA tests at K3 shapes run in the default mode.
+Where only the numbers matter (the GPU parity tests' workers, ``ci/gpu_megatron.sh``),
+``K3_FLA_PINNED_CONFIGS=full`` pins the same folder in fla's full mode, which uses a recorded config for *every*
+key (fla's fuzzy match, then the kernel's ``default_config``), so nothing autotunes and each kernel compiles once:
+correct results, not necessarily the fastest configs. That matters on a fresh host: each unrecorded key costs
+~16 s per kernel on an H100 (the tiny model's packed backward, measured), and a parity worker meets dozens.
+The fuzzy match takes a kernel's first entry whose key has the same structure, so the files list the widest
+shapes first (``write_config_dir``): their configs fit narrower shapes, while the tiny model's configs at K3 head
+shapes (128) need more shared memory than an H200 has (Triton ``OutOfResources``, measured). A shape wider than
+any recorded may still not fit, so k3's own runs stay strict.
 """
 
 from __future__ import annotations
@@ -44,8 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SHIPPED", "TunedConfig", "gpu_dir_name", "key_hash", "parse_autotune_log", "pin_fla_configs",
-           "recorded_folder", "write_config_dir"]
+__all__ = ["PINNED_MODES", "SHIPPED", "TunedConfig", "fla_config_env", "gpu_dir_name", "key_hash",
+           "parse_autotune_log", "pin_fla_configs", "pinned_mode", "recorded_folder", "write_config_dir"]
 
 SHIPPED = Path(__file__).with_name("fla_tuned")
 MANIFEST = "manifest.json"  # not a kernel name: fla only opens {kernel}.json for kernels it runs
@@ -119,11 +123,19 @@ def parse_autotune_log(text: str, source: str = "log") -> list[TunedConfig]:
     return found
 
 
+def _shape_scale(key: Any) -> int:
+    """The sum of a tuning key's integers (head counts, head dims, chunk sizes; flags and dtypes left out)."""
+    if isinstance(key, (list, tuple)):
+        return sum(_shape_scale(v) for v in key)
+    return key if isinstance(key, int) and not isinstance(key, bool) else 0
+
+
 def write_config_dir(configs: list[TunedConfig], out_dir: Path, versions: dict[str, str] | None = None
                      ) -> list[Path]:
     """Write (or merge into) fla's ``{kernel}.json`` files under ``out_dir``; a later result for the same key
-    replaces an earlier one; a kernel's first result also becomes its ``default_config``. ``versions`` (e.g. ``{"fla-core": "0.6.0", "triton": "3.6.0"}``) go into
-    ``manifest.json``, which :func:`pin_fla_configs` checks. Returns the kernel files written."""
+    replaces an earlier one; entries go widest shapes first, and the first is also the ``default_config``.
+    ``versions`` (e.g. ``{"fla-core": "0.6.0", "triton": "3.6.0"}``) go into ``manifest.json``, which
+    :func:`pin_fla_configs` checks. Returns the kernel files written."""
     out_dir.mkdir(parents=True, exist_ok=True)
     by_kernel: dict[str, list[TunedConfig]] = {}
     for c in configs:
@@ -134,9 +146,14 @@ def write_config_dir(configs: list[TunedConfig], out_dir: Path, versions: dict[s
         data = json.loads(path.read_text()) if path.exists() else {"kernel_name": kernel, "autotune_entries": {}}
         for c in items:
             data["autotune_entries"][key_hash(c.key)] = {"autotune_key": list(c.key), "config": c.as_fla_config()}
-        # Read only in fla's full/default modes (a key recorded nowhere); strict mode, k3's, never uses it.
-        data.setdefault("default_config", items[0].as_fla_config())
-        path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        # fla's full mode (the parity checks; strict mode, k3's runs, reads neither) takes the first entry whose
+        # key has the same structure, else default_config. The widest shapes' configs go first: they fit the
+        # narrower shapes' shared memory, while the tiny model's configs at K3 head shapes do not (measured).
+        data["autotune_entries"] = dict(sorted(data["autotune_entries"].items(),
+                                               key=lambda item: -_shape_scale(item[1]["autotune_key"])))
+        data["default_config"] = next(iter(data["autotune_entries"].values()))["config"]
+        # Not sort_keys: the entries' order is what full mode reads. The fields go in name order all the same.
+        path.write_text(json.dumps({k: data[k] for k in sorted(data)}, indent=1) + "\n")
         written.append(path)
     if versions:
         manifest = out_dir / MANIFEST
@@ -173,23 +190,52 @@ def recorded_folder(device_name: str, capability: str | None = None, root: Path 
                  if folder.is_dir() and _manifest(folder).get("compute_capability") == capability), None)
 
 
-def pin_fla_configs(device_name: str | None, root: Path = SHIPPED, capability: str | None = None) -> Path | None:
-    """Point fla at the recorded configs for ``device_name``, or for a GPU of its compute ``capability`` (``"9.0"``)
-    when it has none of its own (see the module docstring); call before fla's first import. Returns the directory
-    pinned, or None when nothing was pinned."""
-    if device_name is None or os.environ.get("K3_FLA_PINNED_CONFIGS", "1") == "0":
-        return None
+PINNED_MODES = {"1": "strict", "strict": "strict", "full": "full", "0": None}
+
+
+def pinned_mode() -> str | None:
+    """fla's cache mode k3 pins, from ``K3_FLA_PINNED_CONFIGS``: ``strict`` (the default; also ``1``), ``full``
+    (every key from the recorded configs: checks of numbers, not speed) or None (``0``: nothing pinned)."""
+    value = os.environ.get("K3_FLA_PINNED_CONFIGS", "strict")
+    if value not in PINNED_MODES:
+        raise ValueError(f"K3_FLA_PINNED_CONFIGS={value!r}: expected strict (the default: a recorded config for an "
+                         "exact key, else autotune), full (a recorded config for every key, nothing autotunes: "
+                         "parity checks) or 0 (fla's own behaviour)")
+    return PINNED_MODES[value]
+
+
+def fla_config_env(device_name: str | None, capability: str | None = None, mode: str | None = "strict",
+                   root: Path = SHIPPED) -> dict[str, str]:
+    """The environment that points fla at the recorded configs for ``device_name`` (or for a GPU of its compute
+    ``capability``, ``"9.0"``) in fla's cache ``mode``: ``{"FLA_CONFIG_DIR": folder, "FLA_CACHE_MODE": mode}``, or
+    ``{}`` when nothing applies: ``mode`` None, the user's own fla setting, no folder, another fla-core (see the
+    module docstring). ``mode`` is ``"strict"`` (k3's runs) or ``"full"`` (runs that check numbers only)."""
+    if mode not in ("strict", "full", None):
+        raise ValueError(f"fla cache mode {mode!r}: k3 pins 'strict' (its runs) or 'full' (parity checks)")
+    if device_name is None or mode is None:
+        return {}
     if "FLA_CONFIG_DIR" in os.environ or "FLA_CACHE_MODE" in os.environ or "fla.ops.utils.cache" in sys.modules:
-        return None
+        return {}
     folder = recorded_folder(device_name, capability, root)
     if folder is None:
-        return None
+        return {}
     try:
         installed = importlib.metadata.version("fla-core")
     except importlib.metadata.PackageNotFoundError:
-        return None
+        return {}
     if _manifest(folder).get("fla-core") != installed:
-        return None
-    os.environ["FLA_CONFIG_DIR"] = str(folder)
-    os.environ["FLA_CACHE_MODE"] = "strict"
-    return folder
+        return {}
+    return {"FLA_CONFIG_DIR": str(folder), "FLA_CACHE_MODE": mode}
+
+
+def pin_fla_configs(device_name: str | None, root: Path = SHIPPED, capability: str | None = None) -> Path | None:
+    """Point fla at the recorded configs for ``device_name``, or for a GPU of its compute ``capability`` (``"9.0"``)
+    when it has none of its own, in the mode ``K3_FLA_PINNED_CONFIGS`` names (:func:`pinned_mode`; see the module
+    docstring); call before fla's first import. Returns the directory pinned, or None when nothing was pinned.
+
+    Raises:
+        ValueError: ``K3_FLA_PINNED_CONFIGS`` is none of strict, 1, full, 0.
+    """
+    env = fla_config_env(device_name, capability, pinned_mode(), root)
+    os.environ.update(env)
+    return Path(env["FLA_CONFIG_DIR"]) if env else None
