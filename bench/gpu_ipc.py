@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench folder: me
 from measure import report  # noqa: E402
 
 from k3.lora.export import AdapterChunk
-from k3.transport import handoff
+from k3.transport.handoff import producer as producer_module
 from k3.transport.handoff import (
     AdapterProducer,
     AdapterReceiver,
@@ -56,7 +56,8 @@ from k3.transport.handoff import (
 from k3.transport.leakcheck import LeakCheck
 
 GOAL_RATIO = 0.5
-_FLATTEN_INTO, _SYNC_DEVICE = handoff.flatten_into, handoff._sync_device
+# The fresh-bucket path's copy and sync, as the producer's module calls them (timed by _instrument)
+_FLATTEN_INTO, _SYNC_DEVICE = producer_module.flatten_into, producer_module.sync_device
 _MiB = 1 << 20
 
 
@@ -161,8 +162,8 @@ def _instrument(producer: AdapterProducer, timer: PhaseTimer) -> None:
     if producer.transfer_buffer is not None:
         producer.transfer_buffer.stage = timer.wrap("stage", producer.transfer_buffer.stage)
     else:  # the fresh-bucket path stages inline: time its copy (and a sync, where one is made)
-        handoff.flatten_into = timer.wrap("stage", _FLATTEN_INTO)
-        handoff._sync_device = timer.wrap("stage", _SYNC_DEVICE)
+        producer_module.flatten_into = timer.wrap("stage", _FLATTEN_INTO)
+        producer_module.sync_device = timer.wrap("stage", _SYNC_DEVICE)
 
 
 def run_mode(shapes, tensors, device: torch.device, syncs: int, buffered: bool, leak: bool = False) -> dict:
@@ -226,7 +227,7 @@ def run_mode(shapes, tensors, device: torch.device, syncs: int, buffered: bool, 
             "syncs_with_problems": sum(1 for p in problems_per_sync if p),
         }
     finally:
-        handoff.flatten_into, handoff._sync_device = _FLATTEN_INTO, _SYNC_DEVICE
+        producer_module.flatten_into, producer_module.sync_device = _FLATTEN_INTO, _SYNC_DEVICE
         kept.clear()
         producer.close()
         proc.join(timeout=120)

@@ -31,7 +31,7 @@ import torch
 
 from k3.transport.feed_group import FeedGroup
 from k3.transport.handoff import (Ack, AdapterProducer, ChunkHeader, ChunkLike, HandoffError, HandoffRejected,
-                                  HandoffTimeout, TransferBuffer, _sync_device, unflatten)
+                                  HandoffTimeout, TransferBuffer, sync_device, unflatten)
 from k3.transport.rank_feed import RankPayload, RankPayloads, this_gpu
 
 __all__ = ["DigestFn", "FedProducer"]
@@ -121,7 +121,7 @@ class FedProducer(AdapterProducer):
             self.unacked[key] = bucket
             # The engine opens the payload with no event to wait on (a reused buffer's handle carries none), and
             # the digest reads the bucket: the writes into it must be done.
-            _sync_device(bucket.device)
+            sync_device(bucket.device)
             digest = self.digest_of(unflatten(bucket, header.names, header.shapes))
             data, checksums = feed.make_payload(bucket, header.names, header.shapes,
                                                 self.group.is_source and feed.checksums)

@@ -21,6 +21,7 @@ from k3.lora import LoRAConfig, apply_lora
 from k3.lora.export import AdapterChunk, chunk_layout, export_chunks
 from k3.model import KimiK3ForCausalLM
 from k3.transport import handoff
+from k3.transport.handoff import producer as producer_module
 from k3.transport.handoff import (Ack, AdapterProducer, AdapterReceiver, ChunkHeader, HandoffError, HandoffRejected,
                                   HandoffTimeout, TransferBuffer, digest_tensors, flat_views, flatten_into,
                                   spawn_receiver, unflatten)
@@ -235,7 +236,8 @@ def test_versions_arrive_bit_exact_across_processes(receiver, buffered, in_place
     copies = []  # staging copies: none when every chunk is exported into its bucket
     real_stage, real_flatten = TransferBuffer.stage, handoff.flatten_into
     monkeypatch.setattr(TransferBuffer, "stage", lambda self, ts: copies.append("stage") or real_stage(self, ts))
-    monkeypatch.setattr(handoff, "flatten_into", lambda b, ts: copies.append("flatten") or real_flatten(b, ts))
+    # the fresh-bucket copy, as the producer calls it
+    monkeypatch.setattr(producer_module, "flatten_into", lambda b, ts: copies.append("flatten") or real_flatten(b, ts))
     before = _torch_segments()  # CUDA IPC ref-counter files of earlier tests in this process may linger
     for v in (next(_VERSIONS), next(_VERSIONS)):  # the module's receiver takes only newer versions
         with torch.no_grad():
@@ -356,7 +358,7 @@ def test_a_receiver_in_the_same_process_gets_tokens_not_ipc_handles_and_the_buck
     assert ack.ok and ack.active_version == 3 and ack.digest == want
     assert seen and set(seen) == {handoff.LocalBucket}
     gc.collect()
-    assert refs and all(r() is None for r in refs) and not handoff._LOCAL_BUCKETS and not producer.unacked
+    assert refs and all(r() is None for r in refs) and not handoff.LOCAL_BUCKETS and not producer.unacked
     producer.close()
     thread.join(timeout=10)
     listener.close()
@@ -491,7 +493,7 @@ def test_the_transfer_buffer_is_shared_once_per_generation_and_chunks_travel_as_
     listener.close()
     assert not thread.is_alive()
     from k3.transport import handoff
-    assert not handoff._LOCAL_BUCKETS
+    assert not handoff.LOCAL_BUCKETS
 
 
 def test_a_slice_of_a_generation_the_receiver_never_mapped_is_refused_and_the_stream_goes_on(tmp_path):
@@ -578,7 +580,8 @@ def test_a_chunk_exported_into_bucket_for_is_sent_without_a_copy_and_anything_el
     copies = []
     real_stage, real_flatten = TransferBuffer.stage, handoff.flatten_into
     monkeypatch.setattr(TransferBuffer, "stage", lambda self, ts: copies.append("stage") or real_stage(self, ts))
-    monkeypatch.setattr(handoff, "flatten_into", lambda b, ts: copies.append("flatten") or real_flatten(b, ts))
+    # the fresh-bucket copy, as the producer calls it
+    monkeypatch.setattr(producer_module, "flatten_into", lambda b, ts: copies.append("flatten") or real_flatten(b, ts))
     names, shapes = [n for n, _ in A], [s for _, s in A]
     sizes = [math.prod(s) for s in shapes]
     ref = [torch.arange(n, dtype=torch.bfloat16).view(s) + 10 * i for i, (n, s) in enumerate(zip(sizes, shapes))]
