@@ -37,55 +37,22 @@
 #     once its NCCL communicators were made at start. A per-process cap cannot forbid two processes that sum: the
 #     device holds only the budget because a ballast process (ci/gpu_ballast.py) takes the rest, less
 #     SMOKE_GPU_CONTEXT_GIB (1.5) for the two actors' CUDA contexts.
-#   - the time (one 10-minute device call), as measured on the H200 on 2026-12-05 (the first run, 8 experts): the
-#     wheels 2 s; the checkpoint 14.8 s (--device cuda, 8 workers: 0.81 GB/s), the torch_dist copy 39.9 s, the data
-#     3 s (on an 80 GB H100: the checkpoint 26 s, the torch_dist copy 77 s, the data 7 s; `k3 train` started 168 s
-#     in); `k3 train` from its start to the startup sync 48 s (Ray, the two loads, the trainer's first sleep);
-#     rollout 0 (64 × 512 tokens, the first KDA compile and autotune included) 27.3 s. Then 20 cycles of generate,
-#     train (1 step over ~37k tokens), the moves and the sync: 13.0 s each on the H100 (median; the fourth run,
-#     below). `k3 train` took 401 s for the 20 rollouts (82 s to rollout 0), so with the setup a run from scratch
-#     does not fit one call (168 s + ~400 s): a first call makes the checkpoint, copy and data, a second on the same
-#     warm machine reuses them from SMOKE_GPU_WORK (training started 54 s in). The training run gets what is left of
-#     SMOKE_GPU_DEADLINE_S (570 s from the script's start, less 30 s for the verdict); the tier's criteria say how
-#     long it may take.
-#   - the first run (2026-12-05, H200, commit 0d8ca3d): the dance ran as planned up to the first training step —
-#     the trainer's sleep freed 12.6 GB of the device (physical 137.5 -> 124.9 GB, allocated stays 11.2), the
-#     engine's weight release 11.2 GB, the trainer's wake took 12.6 back — and that step failed after 76 s with
-#     "DistBackendError: Failed to CUDA calloc async 4 bytes": an allocation of NCCL's own, most likely its
-#     communicator made lazily at the step's first collective, when the trainer's allocator held all of the ~14.8 GB
-#     left free (whether the step itself fits is not known yet). Communicators are now made at start
-#     (k3/megatron/parallel.py), and the memory readings carry each phase's peak (memory/peak_allocated_gb), so the
-#     next run says what the training step needs. The second run (190d91b, budget 0.2) ran out while the trainer
-#     was being built: the ~2.3 GiB the first run had free there went to the communicators. Hence 35 GiB.
-#   - the third run (2026-12-05, an 80 GB H100, bf78754, 35 GiB): the dance ran whole and every training step fit
-#     (peak allocated 21.5 GB), but a cycle took 81 s, so 4 of the 20 rollouts fit the training limit: generation
-#     4.1 s, log-probs 8.7 s, the training step 47 s, the engine's weight release 8.4-9.7 s and return 2.1-2.6 s,
-#     the trainer's sleep 6.6-7.1 s and wake 2.1-2.8 s. Since: o_proj's GEMM no longer runs as one GEMM per token
-#     (k3/megatron/sequence_major.py: 77% of a training step's GPU time, bench/gpu_recompute.py --profile), nor
-#     the LM head's input gradient (one GEMM per token over its 2.35 GB weight, found on the CPU since), the
-#     engine's weight backup is pinned and reused, the trainer's saver keeps its pinned backups. The trainer also
-#     kept 1.46 GB on the device while asleep after training (0.08 GB before any step); its readings now say what
-#     lies outside the saver's regions (memory/default_pool_*).
-#   - the fourth run (2026-12-05, an 80 GB H100, 83c78ce, 35 GiB): all 20 rollouts, a
-#     cycle 12.7-13.9 s (median 13.0: generation 4.15 s, log-probs 1.54 s, the training step 4.95 s, the trainer's
-#     sleep and the engine's moves 0.94 s, the sync 0.08 s); 18 criteria PASS. FAIL `completes`: the adapter
-#     checkpoint after rollout 19 was refused by its own weights-only check (the CPU offload's optimizer state held
-#     torch's AdamW class; fixed in 8af07b5). FAIL `trainer_asleep`: 1.44 GB, of which the default pool held 0.57
-#     GB live (0.03 before the first step) in 1.39 GB of segments, its largest live blocks 48 MB each, the size of
-#     a [3490 tokens, 7168] BF16 activation. SMOKE_GPU_NO_DANCE=1 at the same budget ran out of memory in the first
-#     training step, as it should: the trainer held 24.4 GiB and the engine, its weights kept, 12.0 GiB, beside the
-#     ballast's 42.7.
-#   - since (2026-12-05, H100, 651ae82 and 8b1e58d): recording the allocator's history to find those 0.57 GB made
-#     the training step fail (SystemError from an autograd Function's apply), so step 2 is now read by a census
-#     (k3/rl/step_memory.py). The cause was then found on CPU: megatron's token dispatcher kept its last call's
-#     routing probabilities, and with them the autograd graph back to the last micro-batch's layer inputs, until
-#     its next call; k3/megatron/moe.py releases them after the combine. Not yet rerun on a GPU.
+#   - the time (one 10-minute device call; an 80 GB H100, 2026-12-05, 83c78ce): the setup, checkpoint 23-26 s
+#     (--device cuda, 8 workers; 14.8 s or 0.81 GB/s on the H200), torch_dist copy 73-77 s (39.9 s on the H200) and
+#     data 4-7 s; then `k3 train`, 82 s to rollout 0 (Ray, the two loads, the startup sync, the first KDA compile) and
+#     20 cycles of 12.7-13.9 s (median 13.0: generation 4.15 s, log-probs 1.54 s, the training step 4.95 s over ~37k
+#     tokens, the sleep and the engine's moves 0.94 s, the sync 0.08 s), 401 s in all. From scratch that does not
+#     fit one call: a first call makes the checkpoint, copy and data, and a second on the same warm machine reuses
+#     them from SMOKE_GPU_WORK. The training run gets what is left of SMOKE_GPU_DEADLINE_S (570 s from the script's
+#     start, less 30 s for the verdict); the tier's criteria say how long it may take.
+#   - the latest results, and what is not yet measured: docs/PERFORMANCE.md ("GPU checks").
 #
 # Variables: K3_PYTHON; SMOKE_GPU_EXPERTS (8); SMOKE_GPU_MEMORY_GIB (35); SMOKE_GPU_CONTEXT_GIB (1.5);
 # SMOKE_GPU_BALLAST (1; 0: no budget, each actor capped only); K3_NUM_ROLLOUT (20); SMOKE_GPU_RESPONSE_LEN (512);
 # SMOKE_GPU_WORK (/tmp/k3-smoke-gpu: checkpoint, torch_dist copy, data; kept and reused between runs);
 # SMOKE_GPU_DEADLINE_S (570); SMOKE_GPU_PROFILE_STEP (1: the optimizer step run under torch.profiler, its summary
-# copied to OUT as train_step_1_rank0.txt; the next step's allocator record as train_step_2_memory_rank0.txt); SMOKE_GPU_NO_DANCE=1: the same run without the trainer's sleep and the engine's
+# copied to OUT as train_step_1_rank0.txt; what the next step leaves allocated, by holder, as
+# train_step_2_memory_rank0.txt); SMOKE_GPU_NO_DANCE=1: the same run without the trainer's sleep and the engine's
 # release (--no-offload-train, K3_OFFLOAD_ROLLOUT_LEVEL="", --no-lora-base-cpu-backup), to record that it runs out
 # of memory under the same budget; OUT (runs/smoke-gpu): where the log, verdict.json, summary.md, report.html,
 # metrics.jsonl, resolved_config.txt and the two steps' profiles go (8 files; the run itself is $SMOKE_GPU_WORK/run, or SMOKE_GPU_RUN_DIR).
