@@ -23,8 +23,9 @@
 #   - the model: 5.29 B parameters without routed experts (embedding and head 2 × 1.17 B, the dense MLP, attention,
 #     shared experts) + 0.099 B per routed expert (3 MoE layers × 3 matrices × 3584 × 3072). 8 experts: 5.98 B =
 #     11.1 GiB in BF16 (16: 6.78 B, 12.6 GiB; the issue's 32: 8.36 B, 15.6 GiB).
-#   - disk (64 GB on the device): the checkpoint + its torch_dist copy = 2 × 11.1 GiB = 24 GB, plus the run (its
-#     adapters: 18 MB) and the wheels: 8 experts leave 40 GB free; 32 would take 33 GB and its 289 s writer time.
+#   - the inputs: the checkpoint + its torch_dist copy = 2 × 11.1 GiB = 24 GB, plus the run (its adapters: 18 MB).
+#     They go in RAM (/dev/shm) when the host has room (ci/smoke_gpu_work.sh: 128 GiB hosts do), else on disk (64
+#     GB on the device: 8 experts leave 40 GB free; 32 would take 33 GB and its 289 s writer time).
 #   - the budget: SMOKE_GPU_MEMORY_GIB (35) of the device, the same bytes on any card (0.25 of an H200's 139.8 GiB,
 #     0.44 of an H100's 79.2): the actors get --gpu-memory-gb-per-actor, each turns it into a fraction of its
 #     device, and the ballast below leaves only that much (+ the contexts) free. In the gpu peak order both BF16
@@ -41,15 +42,17 @@
 #     (--device cuda, 8 workers; 14.8 s or 0.81 GB/s on the H200), torch_dist copy 73-77 s (39.9 s on the H200) and
 #     data 4-7 s; then `k3 train`, 82 s to rollout 0 (Ray, the two loads, the startup sync, the first KDA compile) and
 #     20 cycles of 12.7-13.9 s (median 13.0: generation 4.15 s, log-probs 1.54 s, the training step 4.95 s over ~37k
-#     tokens, the sleep and the engine's moves 0.94 s, the sync 0.08 s), 401 s in all. From scratch that does not
-#     fit one call: a first call makes the checkpoint, copy and data, and a second on the same warm machine reuses
-#     them from SMOKE_GPU_WORK. The training run gets what is left of SMOKE_GPU_DEADLINE_S (570 s from the script's
+#     tokens, the sleep and the engine's moves 0.94 s, the sync 0.08 s), 401 s in all. With the inputs on disk, a
+#     run from scratch does not fit one call: a first call makes the checkpoint, copy and data, and a second on the
+#     same warm machine reuses them from SMOKE_GPU_WORK. In RAM (the default since) the setup's ~24 GB of writes go
+#     at memory speed; whether a run from scratch then fits one call is not yet measured. The training run gets what is left of SMOKE_GPU_DEADLINE_S (570 s from the script's
 #     start, less 30 s for the verdict); the tier's criteria say how long it may take.
 #   - the latest results, and what is not yet measured: docs/PERFORMANCE.md ("GPU checks").
 #
 # Variables: K3_PYTHON; SMOKE_GPU_EXPERTS (8); SMOKE_GPU_MEMORY_GIB (35); SMOKE_GPU_CONTEXT_GIB (1.5);
 # SMOKE_GPU_BALLAST (1; 0: no budget, each actor capped only); K3_NUM_ROLLOUT (20); SMOKE_GPU_RESPONSE_LEN (512);
-# SMOKE_GPU_WORK (/tmp/k3-smoke-gpu: checkpoint, torch_dist copy, data; kept and reused between runs);
+# SMOKE_GPU_WORK (checkpoint, torch_dist copy, data and the run; kept and reused between runs; default
+# SMOKE_GPU_RAM_DIR/k3-smoke-gpu when RAM has room, SMOKE_GPU_RAM_DIR being /dev/shm, else /tmp/k3-smoke-gpu);
 # SMOKE_GPU_DEADLINE_S (570); SMOKE_GPU_PROFILE_STEP (1: the optimizer step run under torch.profiler, its summary
 # copied to OUT as train_step_1_rank0.txt; what the next step leaves allocated, by holder, as
 # train_step_2_memory_rank0.txt); SMOKE_GPU_NO_DANCE=1: the same run without the trainer's sleep and the engine's
@@ -97,7 +100,19 @@ PROFILE_STEP=${SMOKE_GPU_PROFILE_STEP:-1}  # the second step: the first carries 
 MEMORY_STEP=$((PROFILE_STEP + 1))  # what it leaves allocated: recorded on the next step (k3/rl/step_memory.py)
 (( PROFILE_STEP < ROLLOUTS )) || PROFILE_STEP=$(( ROLLOUTS - 1 ))  # one optimizer step per rollout here
 RESPONSE_LEN=${SMOKE_GPU_RESPONSE_LEN:-512}
-WORK=${SMOKE_GPU_WORK:-/tmp/k3-smoke-gpu}
+# The inputs and the run: SMOKE_GPU_WORK, else in RAM when the host has room (ci/smoke_gpu_work.sh), else on disk.
+source ci/smoke_gpu_work.sh
+NEED_GB=$(( (5290 + 99 * EXPERTS) * 2 * 2 / 1000 + 4 ))  # 2 × the BF16 base (checkpoint + torch_dist copy) + 4 GB
+if [[ -n "${SMOKE_GPU_WORK:-}" ]]; then
+    WORK=$SMOKE_GPU_WORK WORK_WHY="SMOKE_GPU_WORK"
+else
+    RAM_DIR=${SMOKE_GPU_RAM_DIR:-/dev/shm}
+    ram_free=$(df -Pk "$RAM_DIR" 2>/dev/null | awk 'NR==2 {printf "%d", $4 / 1024 / 1024}')
+    avail=$(awk '/^MemAvailable:/ {printf "%d", $2 / 1024 / 1024}' /proc/meminfo 2>/dev/null)
+    kept=$(du -sk "$RAM_DIR/k3-smoke-gpu" 2>/dev/null | awk '{printf "%d", $1 / 1024 / 1024}')
+    IFS=$'\t' read -r WORK WORK_WHY < <(smoke_gpu_work_dir "$NEED_GB" "$RAM_DIR" "${ram_free:-0}" "${avail:-0}" \
+        "${kept:-0}" /tmp/k3-smoke-gpu)
+fi
 DEADLINE=${SMOKE_GPU_DEADLINE_S:-570}
 NO_DANCE=${SMOKE_GPU_NO_DANCE:-0}
 # Not under $OUT: a device call brings back 8 files of it, and the run holds more (adapters, tensorboard, lock).
@@ -109,6 +124,7 @@ export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/k3-triton-cache} TRITON_PRINT_A
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 K3=("$PY" -m k3)
 echo "smoke-gpu: $PY: $cuda_line"
+echo "smoke-gpu: inputs and run in $WORK ($WORK_WHY)"
 echo "smoke-gpu: 4layer width, $EXPERTS routed experts, cap $BUDGET_GIB GiB per actor, $ROLLOUTS rollouts × 64 × $RESPONSE_LEN tokens$([[ $NO_DANCE == 1 ]] && echo ', WITHOUT the dance (expected: out of memory)')"
 
 elapsed() { echo $(( $(date +%s) - T0 )); }
@@ -158,9 +174,7 @@ mkdir -p "$WORK"
 free_gb=$(df -Pk "$WORK" | awk 'NR==2 {printf "%d", $4 / 1024 / 1024}')
 stamp="experts=$EXPERTS seed=0 bf16"
 if [[ "$(cat "$WORK/base/.smoke_gpu_stamp" 2>/dev/null)" != "$stamp" ]]; then
-    # 2 × the BF16 base (checkpoint + torch_dist copy) + 4 GB for the run and the page cache's slack
-    need_gb=$(( (5290 + 99 * EXPERTS) * 2 * 2 / 1000 + 4 ))
-    (( free_gb >= need_gb )) || fail "$WORK has $free_gb GB free; the checkpoint and its torch_dist copy need ~$need_gb GB (set SMOKE_GPU_WORK, or fewer SMOKE_GPU_EXPERTS)"
+    (( free_gb >= NEED_GB )) || fail "$WORK has $free_gb GB free; the checkpoint and its torch_dist copy need ~$NEED_GB GB (set SMOKE_GPU_WORK, or fewer SMOKE_GPU_EXPERTS)"
     rm -rf "$WORK/base" "$WORK/dcp"
     step "make-checkpoint (4layer, $EXPERTS experts, bf16, on the GPU)" 240 "${K3[@]}" make-checkpoint \
         --variant 4layer --num-experts "$EXPERTS" --format bf16 --out "$WORK/base" --seed 0 --device cuda \

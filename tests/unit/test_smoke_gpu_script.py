@@ -82,6 +82,46 @@ def test_the_old_fraction_variable_is_refused_not_ignored(tmp_path):
     assert not (out / "verdict.json").exists()
 
 
+# ------------------------------------------------------------------------------------------------ where the inputs go
+@pytest.mark.parametrize("ram_free, avail, kept, where", [
+    (64, 120, 0, "ram"),  # a 128 GiB host: /dev/shm is half of it
+    (43, 120, 0, "disk"),  # /dev/shm one GB short of the inputs + Ray's slack (28 + 16)
+    (0, 120, 0, "disk"),  # a container's small /dev/shm
+    (64, 67, 0, "disk"),  # the host one GB short of the inputs + the pinned backups and processes (28 + 40)
+    (20, 44, 24, "ram"),  # an earlier run's inputs, kept in /dev/shm: reused, so their space counts
+])
+def test_the_inputs_go_in_ram_when_the_host_has_room(ram_free, avail, kept, where):
+    done = subprocess.run(["bash", "-c", f'source ci/smoke_gpu_work.sh; smoke_gpu_work_dir 28 /dev/shm {ram_free} '
+                          f'{avail} {kept} /tmp/k3-smoke-gpu'], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    work, why = done.stdout.rstrip("\n").split("\t")
+    if where == "ram":
+        assert work == "/dev/shm/k3-smoke-gpu"
+        assert why == (f"in RAM: /dev/shm has {ram_free + kept} GB for the inputs' ~28 GB, the host {avail + kept} GB "
+                       "available")
+    else:
+        assert work == "/tmp/k3-smoke-gpu"
+        assert why == (f"on disk: /dev/shm has {ram_free + kept} GB (needs 44), the host {avail + kept} GB available "
+                       "(needs 68)")
+
+
+@pytest.mark.parametrize("work", [None, "mine"])
+def test_the_script_says_where_the_inputs_go(tmp_path, work):
+    """A fake python plays the GPU; the old fraction variable stops the script right after its settings."""
+    fake = tmp_path / "python3"
+    fake.write_text("#!/bin/sh\necho 'NVIDIA H100 80GB HBM3, 79.2 GiB, torch 2.11.0+cu130'\n")
+    fake.chmod(0o755)
+    extra = {"SMOKE_GPU_WORK": str(tmp_path / work)} if work else {"SMOKE_GPU_RAM_DIR": str(tmp_path)}
+    env = _cpu_env(K3_PYTHON=str(fake), OUT=str(tmp_path / "out"), SMOKE_GPU_MEMORY_FRACTION="0.25", **extra)
+    done = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60)
+    line = next(x for x in done.stdout.splitlines() if x.startswith("smoke-gpu: inputs and run in "))
+    if work:
+        assert line == f"smoke-gpu: inputs and run in {tmp_path / work} (SMOKE_GPU_WORK)"
+    else:
+        assert re.fullmatch(rf"smoke-gpu: inputs and run in ({re.escape(str(tmp_path))}/k3-smoke-gpu \(in RAM: "
+                            rf"|/tmp/k3-smoke-gpu \(on disk: ){re.escape(str(tmp_path))} has \d+ GB.*\)", line), line
+
+
 def test_make_smoke_gpu_runs_the_script(tmp_path):
     done = subprocess.run(["make", "-s", "-C", str(ROOT), "smoke-gpu"], env=_cpu_env(OUT=str(tmp_path / "o")),
                           capture_output=True, text=True, timeout=120)
