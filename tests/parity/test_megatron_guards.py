@@ -423,13 +423,18 @@ def test_distributed_optimizer_shards_the_adam_state_over_dp(ranks):
 
 @pytest.mark.slow
 def test_distributed_optimizer_steps_equal_the_plain_optimizer(ranks):
-    """The same Adam in another reduction order (reduce-scatter + all-gather vs all-reduce): float32 rounding."""
+    """The same Adam in another reduction order (reduce-scatter + all-gather vs all-reduce): float32 rounding.
+
+    The adapters after the steps differ by that rounding as Adam amplifies it: its first steps normalise each
+    element's gradient, so where the two ranks' gradients nearly cancel, a rounding of the sum moves the element by a
+    visible part of the learning rate. Measured (relative norm per tensor, 114 tensors): at most 1.1e-5, the next
+    5.5e-6, on an Intel Xeon; under 1e-5 on an AMD EPYC. A wrong reduction or a lost shard is off by O(1)."""
     for r in ranks:
         for a, b in zip(r["distributed"]["steps"], r["plain"]["steps"]):
             for key in ("train/loss", "train/grad_norm", "train/ppo_kl", "train/entropy"):
                 assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(b[key])), (key, a[key], b[key])
         for name, b in r["plain"]["final"].items():
-            assert _rel(r["distributed"]["final"][name], b) < 1e-5, name
+            assert _rel(r["distributed"]["final"][name], b) < 1e-4, name
     for name, b in ranks[0]["distributed"]["final"].items():  # the replicas agree after the all-gather
         assert torch.equal(ranks[1]["distributed"]["final"][name], b), name
 
