@@ -49,6 +49,12 @@ Evidence rules: a NaN or infinite number a criterion reads (a value, a logged co
 time) makes it FAIL; an event time that is not a number is dropped by the reader, so what needed it is MISSING.
 A weight sync that some rank has no memory reading for makes the memory criteria MISSING (they do not pass on
 fewer syncs), and a run that was resumed is judged on every attempt (:mod:`harness.run_data`).
+
+Where each part lives: one module per kind (``band``, ``rise``, ``memory`` for returns_to_baseline and no_growth,
+``config_equals``, ``cycle_time``, ``completion``, ``versions`` for advances, ``replicas``, ``delivered``,
+``dance`` for the memory dance's two kinds), over ``criterion`` (what a criterion and a verdict are), ``params``
+(the parameters' types) and ``scalars`` (series of values and counts); ``kinds`` ties each kind to its parameters
+and its spec check, builds criteria from a spec's tables and judges them.
 """
 
 from __future__ import annotations
