@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from harness.criteria.criterion import Criterion, Result, Status, fmt, not_yet
+from harness.criteria.criterion import Criterion, Result, Status, fmt, not_yet, passed
 from harness.run_data import EventTime, RunData, normalize_phase
 
 # What a trainer rank's allocator held before it slept, best first: reserved counts the cached blocks a sleep also
@@ -90,9 +90,7 @@ def resident_while_asleep(c: Criterion, run: RunData) -> Result:
     evidence |= {"worst_resident_gb": worst.resident_gb, "worst_rank": worst.rank, "worst_sync": worst.sync}
     text = (f"{evidence['ranks']} rank(s) × {syncs} sleeps: at most {worst.resident_gb:.2f} GB on the device while "
             f"asleep (rank {worst.rank}, sync {worst.sync}) ≤ {fmt(limit, 2)} GB")
-    if c.window.open and not run.finished:
-        return Result(c, Status.PENDING, text + " so far", False, evidence)
-    return Result(c, Status.PASS, text, True, evidence)
+    return passed(c, run, text, evidence)
 
 
 def _trained_rollouts(run: RunData) -> dict[int, EventTime]:
@@ -156,6 +154,4 @@ def released_while_training(c: Criterion, run: RunData) -> Result:
     text = f"{len(engines)} engine(s) × {len(trains)} rollouts: {tag} released before every train step, resumed after"
     if freed_by:
         text += f" ({fmt(min(freed_by.values()), 2)}–{fmt(max(freed_by.values()), 2)} GB left the device)"
-    if c.window.open and not run.finished:
-        return Result(c, Status.PENDING, text + " so far", False, evidence)
-    return Result(c, Status.PASS, text, True, evidence)
+    return passed(c, run, text, evidence)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from harness.criteria.criterion import Criterion, Result, Status, not_yet
+from harness.criteria.criterion import Criterion, Result, Status, not_yet, passed
 from harness.run_data import RunData
 
 
@@ -47,6 +47,4 @@ def delivered(c: Criterion, run: RunData) -> Result:
         return not_yet(c, run, f"{judged} sync(s) with both digests"
                        + (f"; {missing} without" if missing else "") + f"; needs {c['min_syncs']}", **evidence)
     text = f"{judged} syncs: every chunk the engine activated equals the trained one"
-    if c.window.open and not run.finished:
-        return Result(c, Status.PENDING, text + " so far", False, evidence)
-    return Result(c, Status.PASS, text, True, evidence)
+    return passed(c, run, text, evidence)
