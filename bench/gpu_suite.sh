@@ -51,10 +51,9 @@ PY
 } 2>&1 | tee -a "$BENCH_LOG"
 
 # Quick files first; each test gets its own limit and pytest-timeout prints every thread's stack when one runs over.
-# k3's default fla pinning (strict: only exact recorded keys). Not fla's full mode: when the recorded files listed
-# the tiny model's configs first, it applied them at K3 head shapes and six KDA tests failed with Triton
-# OutOfResources (shared memory 237568 > 232448); the files now list the widest shapes first, but these tests also
-# run shapes wider than any recorded. The megatron parity workers run in full mode (tests/megatron_compat.py).
+# k3's default fla pinning (strict: only exact recorded keys). Not fla's full mode: it applied the tiny model's
+# configs at K3 head shapes and six KDA tests failed with Triton OutOfResources (shared memory 237568 > 232448).
+# The megatron parity workers run in k3's cover mode (tests/megatron_compat.py, k3/kernels/kda/tuning.py).
 # K3_GPU_SUITE_TEST_FILES="tests/unit/test_gpu_ipc.py ..." runs only those files (default: the list below), and
 # K3_GPU_SUITE_TEST_TIMEOUT_S each test's own limit (default 120 s; a megatron parity worker can need more).
 DEFAULT_TEST_FILES="tests/unit/test_gpu_mxfp4.py tests/unit/test_gpu_expert_lora.py tests/unit/test_lora_grouped.py \

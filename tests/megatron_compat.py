@@ -238,8 +238,9 @@ def run_workers(args: list[str], nproc: int = 1, timeout: float = 240.0, env: di
     with one thread per process, a free port on 127.0.0.1 and a timeout; returns the CompletedProcess and
     raises AssertionError with the output tail when it fails. ``args[0]`` is a script path or ``-m module``.
 
-    On a GPU the workers check numbers, not speed: ``K3_FLA_PINNED_CONFIGS=full`` (unless set) serves every fla
-    kernel key from the recorded configs, where a fresh host would autotune each new key for ~16 s."""
+    On a GPU the workers check numbers, not speed: ``K3_FLA_PINNED_CONFIGS=cover`` (unless set) serves an fla key
+    that is not recorded from the config of a recorded key that covers it, where a fresh host would autotune each
+    new key for ~16 s."""
     import os
     import socket
     import subprocess
@@ -254,7 +255,7 @@ def run_workers(args: list[str], nproc: int = 1, timeout: float = 240.0, env: di
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         full_env = dict(os.environ)
-        full_env.setdefault("K3_FLA_PINNED_CONFIGS", "full")
+        full_env.setdefault("K3_FLA_PINNED_CONFIGS", "cover")
         full_env.update(OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                         PYTHONPATH=os.pathsep.join([str(root), str(root / "tests"), full_env.get("PYTHONPATH", "")]),
                         PYTHONWARNINGS="ignore")

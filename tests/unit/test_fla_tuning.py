@@ -68,8 +68,8 @@ def test_write_merges_entries_and_later_results_replace_earlier(tmp_path):
 
 
 def test_the_widest_shapes_come_first_whatever_the_recording_order(tmp_path):
-    """fla's full mode takes the first entry whose key has the same structure: a narrower shape must find the wide
-    config (it fits), a wider one must never find the tiny model's (it does not fit the GPU's shared memory)."""
+    """Files list the widest shapes first, whatever order they were recorded in, and the first is the default (what
+    fla's own full mode would take first, should a user set it)."""
     tiny = TunedConfig("k", (4, 16, False, "torch.bfloat16"), {"BV": 32}, num_warps=4, num_stages=4)
     wide = TunedConfig("k", (96, 128, False, "torch.bfloat16"), {"BV": 64}, num_warps=4, num_stages=2)
     flag = TunedConfig("k", (8, 32, True, "torch.bfloat16"), {"BV": 16}, num_warps=2, num_stages=1)
@@ -154,27 +154,28 @@ def test_a_gpu_of_the_same_capability_takes_the_h200_folder(clean_env):
     assert "FLA_CONFIG_DIR" not in os.environ
 
 
-def test_parity_checks_get_full_mode_and_a_user_s_setting_wins(clean_env):
-    """K3_FLA_PINNED_CONFIGS=full (the GPU parity workers): the same folder, every key served from it; nothing when
-    the user chose, when pinning is off, or for a GPU with no recorded folder of its own or its capability."""
+def test_parity_checks_get_cover_mode_and_a_user_s_setting_wins(clean_env):
+    """K3_FLA_PINNED_CONFIGS=cover (the GPU parity workers): the same folder in fla's strict mode (k3 widens the
+    lookup itself once fla is imported); nothing when the user chose, when pinning is off, or for a GPU with no
+    recorded folder of its own or its capability."""
     import os
 
     folder = str(SHIPPED / "NVIDIA_H200")
-    assert fla_config_env("NVIDIA H100 80GB HBM3", "9.0", "full") == {"FLA_CONFIG_DIR": folder,
-                                                                       "FLA_CACHE_MODE": "full"}
+    assert fla_config_env("NVIDIA H100 80GB HBM3", "9.0", "cover") == {"FLA_CONFIG_DIR": folder,
+                                                                        "FLA_CACHE_MODE": "strict"}
     assert "FLA_CACHE_MODE" not in os.environ  # it only returns the environment
-    assert fla_config_env("NVIDIA A100-SXM4-80GB", "8.0", "full") == {}
-    assert fla_config_env(None, None, "full") == fla_config_env("NVIDIA H200", None, None) == {}
-    clean_env.setenv("K3_FLA_PINNED_CONFIGS", "full")
+    assert fla_config_env("NVIDIA A100-SXM4-80GB", "8.0", "cover") == {}
+    assert fla_config_env(None, None, "cover") == fla_config_env("NVIDIA H200", None, None) == {}
+    clean_env.setenv("K3_FLA_PINNED_CONFIGS", "cover")
     assert pin_fla_configs("NVIDIA H100 80GB HBM3", capability="9.0") == SHIPPED / "NVIDIA_H200"
-    assert (os.environ["FLA_CONFIG_DIR"], os.environ["FLA_CACHE_MODE"]) == (folder, "full")
+    assert (os.environ["FLA_CONFIG_DIR"], os.environ["FLA_CACHE_MODE"]) == (folder, "strict")
     clean_env.setenv("FLA_CACHE_MODE", "disabled")  # the user's (or an earlier pin's) setting is kept
-    assert fla_config_env("NVIDIA H200", None, "full") == {}
-    with pytest.raises(ValueError, match="'fuzzy': k3 pins 'strict' .* or 'full'"):
-        fla_config_env("NVIDIA H200", None, "fuzzy")
+    assert fla_config_env("NVIDIA H200", None, "cover") == {}
+    with pytest.raises(ValueError, match="'full': k3 pins 'strict' .* or 'cover'"):
+        fla_config_env("NVIDIA H200", None, "full")
 
 
-@pytest.mark.parametrize("value, mode", [("1", "strict"), ("strict", "strict"), ("full", "full"), ("0", None)])
+@pytest.mark.parametrize("value, mode", [("1", "strict"), ("strict", "strict"), ("cover", "cover"), ("0", None)])
 def test_the_pinned_mode_comes_from_the_environment(clean_env, value, mode):
     from k3.kernels.kda.tuning import pinned_mode
 
@@ -184,14 +185,83 @@ def test_the_pinned_mode_comes_from_the_environment(clean_env, value, mode):
 
 
 def test_an_unknown_pinned_mode_is_a_clear_error(clean_env):
-    clean_env.setenv("K3_FLA_PINNED_CONFIGS", "yes")
-    with pytest.raises(ValueError, match=r"K3_FLA_PINNED_CONFIGS='yes': expected strict .*full .*or 0"):
+    clean_env.setenv("K3_FLA_PINNED_CONFIGS", "full")
+    with pytest.raises(ValueError, match=r"K3_FLA_PINNED_CONFIGS='full': expected strict .*cover .*or 0"):
         pin_fla_configs("NVIDIA H200")
+
+
+# The tiny model's and a K3-width entry of the dhu backward kernel, as recorded (H, Hv, K, V, BT, flags, dtypes).
+TINY_KEY = [4, 4, 16, 16, 64, False, False, "torch.bfloat16", "torch.float32"]
+WIDE_KEY = [96, 96, 128, 128, 64, False, False, "torch.bfloat16", "torch.float32"]
+ENTRIES = {"t": {"autotune_key": TINY_KEY, "config": {"kwargs": {"BV": 32}, "num_stages": 4, "num_warps": 4}},
+           "w": {"autotune_key": WIDE_KEY, "config": {"kwargs": {"BV": 64}, "num_stages": 2, "num_warps": 4}}}
+
+
+@pytest.mark.parametrize("key, expected", [
+    ([4, 4, 16, 16, 64, False, False, "torch.bfloat16", "torch.float32"], "t"),  # recorded: its own
+    ([2, 2, 16, 16, 64, False, False, "torch.bfloat16", "torch.float32"], "t"),  # narrower: the narrowest cover
+    ([8, 8, 32, 32, 64, False, False, "torch.bfloat16", "torch.float32"], "w"),  # between: only the wide covers
+    ([8, 8, 128, 128, 64, False, False, "torch.bfloat16", "torch.float32"], "w"),  # the packed test's slice
+    ([128, 128, 128, 128, 64, False, False, "torch.bfloat16", "torch.float32"], None),  # wider than any recorded
+    ([8, 8, 128, 128, 64, True, False, "torch.bfloat16", "torch.float32"], None),  # another flag
+    ([8, 8, 128, 128, 64, False, False, "torch.float32", "torch.float32"], None),  # another dtype
+    ([8, 8, 128, 128, 64, False, False, "torch.bfloat16"], None),  # another structure
+])
+def test_a_key_takes_the_narrowest_recorded_key_that_covers_it(key, expected):
+    from k3.kernels.kda.tuning import covering_entry
+
+    found = covering_entry(ENTRIES, key)
+    assert found is (None if expected is None else ENTRIES[expected])
+
+
+class _FakeCache:
+    """What use_covering_configs needs of fla.ops.utils.cache: its exact lookup and its config folder."""
+
+    def __init__(self, folder):
+        self.folder, self.exact_calls = folder, []
+
+    def get_fla_config_dir(self):
+        return self.folder
+
+    def load_cached_config(self, kernel_name, autotune_key=None):
+        self.exact_calls.append(kernel_name)
+        return {"exact": True} if kernel_name == "exact_kernel" else None
+
+
+def test_the_covering_lookup_widens_fla_s_exact_one(tmp_path):
+    from types import SimpleNamespace
+
+    from k3.kernels.kda.tuning import use_covering_configs
+
+    (tmp_path / "dhu.json").write_text(json.dumps({"kernel_name": "dhu", "autotune_entries": ENTRIES}))
+    cache = _FakeCache(tmp_path)
+    use_covering_configs(cache)
+    use_covering_configs(cache)  # once only: a second call does not wrap the wrapper
+    request = SimpleNamespace(autotune_key=(8, 8, 128, 128, 64, False, False, "torch.bfloat16", "torch.float32"))
+    assert cache.load_cached_config("dhu", request) == ENTRIES["w"]["config"]
+    assert cache.load_cached_config("exact_kernel", request) == {"exact": True}  # an exact hit is fla's own
+    wider = SimpleNamespace(autotune_key=(128, 128, 256, 256, 64, False, False, "torch.bfloat16", "torch.float32"))
+    assert cache.load_cached_config("dhu", wider) is None  # nothing covers it: fla autotunes
+    assert cache.load_cached_config("unrecorded", request) is None  # no file for that kernel
+    assert cache.exact_calls == ["dhu", "exact_kernel", "dhu", "unrecorded"]
+
+
+def test_the_shipped_configs_cover_the_tiny_model_s_packed_backward():
+    """The key a fresh H100 autotuned for 16 s in the recipe's pairing loop: the tiny model's packed (varlen) dhu
+    backward, now served by the K3-width varlen entry of the same dtypes."""
+    from k3.kernels.kda.tuning import covering_entry
+
+    data = json.loads((SHIPPED / "NVIDIA_H200" / "chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64.json").read_text())
+    varlen = [e["autotune_key"] for e in data["autotune_entries"].values() if e["autotune_key"][-1] == "torch.int64"]
+    assert varlen
+    for wide in varlen:
+        tiny = [4, 4, 16, 16, *wide[4:]]
+        assert covering_entry(data["autotune_entries"], tiny)["autotune_key"] == wide
 
 
 def test_another_fla_core_gets_no_configs(clean_env):
     clean_env.setattr(fla_tuning.importlib.metadata, "version", lambda name: "0.7.0")
-    assert fla_config_env("NVIDIA H200", None, "full") == {}
+    assert fla_config_env("NVIDIA H200", None, "cover") == {}
     assert pin_fla_configs("NVIDIA H200") is None
 
 

@@ -28,6 +28,7 @@ chunk matmuls run in TF32; the tiny model's logits differed from the CPU float32
 from __future__ import annotations
 
 import functools
+import importlib
 from collections.abc import Sequence
 from typing import Literal
 
@@ -36,7 +37,7 @@ import torch
 from k3.kernels.kda.chunk import DEFAULT_CHUNK_SIZE, chunk_kda
 from k3.kernels.kda.gate import kda_gate
 from k3.kernels.kda.naive import naive_recurrent_kda
-from k3.kernels.kda.tuning import pin_fla_configs
+from k3.kernels.kda.tuning import pin_fla_configs, pinned_mode, use_covering_configs
 
 __all__ = ["FLA_SAFE_GATE_RANGE", "Backend", "fla_available", "kda_core", "kda_core_with_gate"]
 
@@ -49,14 +50,17 @@ FLA_SAFE_GATE_RANGE = (-5.0, 0.0)
 @functools.cache
 def _fla_ops():
     """``(chunk_kda, fused_recurrent_kda)`` from fla, or None when fla (or its Triton) cannot be imported."""
+    pinned = None
     if torch.cuda.is_available():  # before fla's first import: it reads its config mode once
         major, minor = torch.cuda.get_device_capability(0)
-        pin_fla_configs(torch.cuda.get_device_name(0), capability=f"{major}.{minor}")
+        pinned = pin_fla_configs(torch.cuda.get_device_name(0), capability=f"{major}.{minor}")
     try:
         from fla.ops.kda import chunk_kda as fla_chunk_kda
         from fla.ops.kda import fused_recurrent_kda as fla_fused_recurrent_kda
     except Exception:  # noqa: BLE001 - ImportError without fla; ModuleNotFoundError('triton') without Triton
         return None
+    if pinned is not None and pinned_mode() == "cover":
+        use_covering_configs(importlib.import_module("fla.ops.utils.cache"))
     return fla_chunk_kda, fla_fused_recurrent_kda
 
 

@@ -25,14 +25,14 @@ to look them up). This module
   fla-core is not the version they were recorded with.
 
 Where only the numbers matter (the GPU parity tests' workers, ``ci/gpu_megatron.sh``),
-``K3_FLA_PINNED_CONFIGS=full`` pins the same folder in fla's full mode, which uses a recorded config for *every*
-key (fla's fuzzy match, then the kernel's ``default_config``), so nothing autotunes and each kernel compiles once:
-correct results, not necessarily the fastest configs. That matters on a fresh host: each unrecorded key costs
-~16 s per kernel on an H100 (the tiny model's packed backward, measured), and a parity worker meets dozens.
-The fuzzy match takes a kernel's first entry whose key has the same structure, so the files list the widest
-shapes first (``write_config_dir``): their configs fit narrower shapes, while the tiny model's configs at K3 head
-shapes (128) need more shared memory than an H200 has (Triton ``OutOfResources``, measured). A shape wider than
-any recorded may still not fit, so k3's own runs stay strict.
+``K3_FLA_PINNED_CONFIGS=cover`` pins the same folder and widens the lookup (:func:`use_covering_configs`): a key
+recorded nowhere takes the config of the narrowest recorded key that covers it (the same kernel, flags and dtypes,
+every head count, head dim and chunk size at least as large), since a config that fits a wider shape fits a
+narrower one; only a key nothing covers is autotuned. On a fresh host each autotuned key costs ~16 s per kernel on
+an H100 (the tiny model's packed backward, measured), and a parity worker meets dozens. fla's own full mode is not
+used: it takes the first entry of the same structure whatever its numbers, and handed a key of a wide slice the
+tiny model's config, which needs more shared memory than a Hopper block has (Triton ``OutOfResources``, 237,568 >
+232,448 bytes, measured on an H100).
 """
 
 from __future__ import annotations
@@ -44,12 +44,15 @@ import json
 import os
 import re
 import sys
+import types
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PINNED_MODES", "SHIPPED", "TunedConfig", "fla_config_env", "gpu_dir_name", "key_hash",
-           "parse_autotune_log", "pin_fla_configs", "pinned_mode", "recorded_folder", "write_config_dir"]
+__all__ = ["PINNED_MODES", "SHIPPED", "TunedConfig", "covering_entry", "covers", "fla_config_env", "gpu_dir_name",
+           "key_hash", "parse_autotune_log", "pin_fla_configs", "pinned_mode", "recorded_folder",
+           "use_covering_configs", "write_config_dir"]
 
 SHIPPED = Path(__file__).with_name("fla_tuned")
 MANIFEST = "manifest.json"  # not a kernel name: fla only opens {kernel}.json for kernels it runs
@@ -146,9 +149,8 @@ def write_config_dir(configs: list[TunedConfig], out_dir: Path, versions: dict[s
         data = json.loads(path.read_text()) if path.exists() else {"kernel_name": kernel, "autotune_entries": {}}
         for c in items:
             data["autotune_entries"][key_hash(c.key)] = {"autotune_key": list(c.key), "config": c.as_fla_config()}
-        # fla's full mode (the parity checks; strict mode, k3's runs, reads neither) takes the first entry whose
-        # key has the same structure, else default_config. The widest shapes' configs go first: they fit the
-        # narrower shapes' shared memory, while the tiny model's configs at K3 head shapes do not (measured).
+        # fla's own full mode (a user's FLA_CACHE_MODE=full; k3 never sets it) takes the first entry whose key has
+        # the same structure, else default_config: the widest shapes' configs go first, as they fit narrower ones.
         data["autotune_entries"] = dict(sorted(data["autotune_entries"].items(),
                                                key=lambda item: -_shape_scale(item[1]["autotune_key"])))
         data["default_config"] = next(iter(data["autotune_entries"].values()))["config"]
@@ -190,28 +192,29 @@ def recorded_folder(device_name: str, capability: str | None = None, root: Path 
                  if folder.is_dir() and _manifest(folder).get("compute_capability") == capability), None)
 
 
-PINNED_MODES = {"1": "strict", "strict": "strict", "full": "full", "0": None}
+PINNED_MODES = {"1": "strict", "strict": "strict", "cover": "cover", "0": None}
 
 
 def pinned_mode() -> str | None:
-    """fla's cache mode k3 pins, from ``K3_FLA_PINNED_CONFIGS``: ``strict`` (the default; also ``1``), ``full``
-    (every key from the recorded configs: checks of numbers, not speed) or None (``0``: nothing pinned)."""
+    """How k3 pins fla's recorded configs, from ``K3_FLA_PINNED_CONFIGS``: ``strict`` (the default; also ``1``),
+    ``cover`` (also a recorded config that covers the key: checks of numbers, not speed) or None (``0``: nothing
+    pinned)."""
     value = os.environ.get("K3_FLA_PINNED_CONFIGS", "strict")
     if value not in PINNED_MODES:
         raise ValueError(f"K3_FLA_PINNED_CONFIGS={value!r}: expected strict (the default: a recorded config for an "
-                         "exact key, else autotune), full (a recorded config for every key, nothing autotunes: "
-                         "parity checks) or 0 (fla's own behaviour)")
+                         "exact key, else autotune), cover (also a config recorded for a covering key: parity "
+                         "checks) or 0 (fla's own behaviour)")
     return PINNED_MODES[value]
 
 
 def fla_config_env(device_name: str | None, capability: str | None = None, mode: str | None = "strict",
                    root: Path = SHIPPED) -> dict[str, str]:
     """The environment that points fla at the recorded configs for ``device_name`` (or for a GPU of its compute
-    ``capability``, ``"9.0"``) in fla's cache ``mode``: ``{"FLA_CONFIG_DIR": folder, "FLA_CACHE_MODE": mode}``, or
-    ``{}`` when nothing applies: ``mode`` None, the user's own fla setting, no folder, another fla-core (see the
-    module docstring). ``mode`` is ``"strict"`` (k3's runs) or ``"full"`` (runs that check numbers only)."""
-    if mode not in ("strict", "full", None):
-        raise ValueError(f"fla cache mode {mode!r}: k3 pins 'strict' (its runs) or 'full' (parity checks)")
+    ``capability``, ``"9.0"``): ``{"FLA_CONFIG_DIR": folder, "FLA_CACHE_MODE": "strict"}``, or ``{}`` when nothing
+    applies: ``mode`` None, the user's own fla setting, no folder, another fla-core (see the module docstring).
+    ``mode`` ``"cover"`` sets the same: its wider lookup is :func:`use_covering_configs`, once fla is imported."""
+    if mode not in ("strict", "cover", None):
+        raise ValueError(f"fla pinning mode {mode!r}: k3 pins 'strict' (its runs) or 'cover' (parity checks)")
     if device_name is None or mode is None:
         return {}
     if "FLA_CONFIG_DIR" in os.environ or "FLA_CACHE_MODE" in os.environ or "fla.ops.utils.cache" in sys.modules:
@@ -225,16 +228,64 @@ def fla_config_env(device_name: str | None, capability: str | None = None, mode:
         return {}
     if _manifest(folder).get("fla-core") != installed:
         return {}
-    return {"FLA_CONFIG_DIR": str(folder), "FLA_CACHE_MODE": mode}
+    return {"FLA_CONFIG_DIR": str(folder), "FLA_CACHE_MODE": "strict"}
+
+
+def covers(recorded: Any, requested: Any) -> bool:
+    """A recorded tuning key covers a requested one: the same structure (length, flags, dtypes) and every number
+    at least the requested one (head counts, head dims, chunk sizes: a config that fits a wider shape fits a
+    narrower one)."""
+    if isinstance(recorded, bool) or isinstance(requested, bool):
+        return recorded == requested
+    if isinstance(recorded, (int, float)) and isinstance(requested, (int, float)):
+        return recorded >= requested
+    if isinstance(recorded, (list, tuple)) and isinstance(requested, (list, tuple)):
+        return len(recorded) == len(requested) and all(covers(a, b) for a, b in zip(recorded, requested))
+    return recorded == requested
+
+
+def covering_entry(entries: Mapping[str, Mapping[str, Any]], key: list | tuple) -> Mapping[str, Any] | None:
+    """Of a kernel file's ``autotune_entries``, the narrowest whose key covers ``key`` (:func:`covers`); None when
+    none does."""
+    found = [e for e in entries.values() if covers(e.get("autotune_key"), list(key))]
+    return min(found, key=lambda e: _shape_scale(e["autotune_key"]), default=None)
+
+
+def use_covering_configs(cache: types.ModuleType) -> None:
+    """Widen fla's lookup (``cache``: the imported ``fla.ops.utils.cache``, pinned in strict mode) to covering keys:
+    an exact key's config as before, else the config recorded for the narrowest key that covers it, else None
+    (fla autotunes). Unlike fla's own full mode, which takes the first entry of the same structure whatever its
+    numbers, it never hands a wide shape a config recorded for a narrower one (the tiny model's configs at K3 head
+    shapes need more shared memory than a Hopper block has: measured)."""
+    exact = cache.load_cached_config
+    if getattr(exact, "k3_covering", False):
+        return
+
+    def load_cached_config(kernel_name: str, autotune_key: Any = None) -> dict[str, Any] | None:
+        found = exact(kernel_name, autotune_key)
+        if found is not None or autotune_key is None:
+            return found
+        path = Path(cache.get_fla_config_dir()) / f"{kernel_name}.json"
+        try:
+            entries = json.loads(path.read_text()).get("autotune_entries") or {}
+        except (OSError, ValueError):
+            return None
+        key = json.loads(json.dumps(list(autotune_key.autotune_key)))  # tuples to lists, as the files hold them
+        entry = covering_entry(entries, key)
+        return None if entry is None else dict(entry["config"])
+
+    load_cached_config.k3_covering = True  # type: ignore[attr-defined]
+    cache.load_cached_config = load_cached_config
 
 
 def pin_fla_configs(device_name: str | None, root: Path = SHIPPED, capability: str | None = None) -> Path | None:
     """Point fla at the recorded configs for ``device_name``, or for a GPU of its compute ``capability`` (``"9.0"``)
     when it has none of its own, in the mode ``K3_FLA_PINNED_CONFIGS`` names (:func:`pinned_mode`; see the module
-    docstring); call before fla's first import. Returns the directory pinned, or None when nothing was pinned.
+    docstring); call before fla's first import, and in ``cover`` mode :func:`use_covering_configs` after it.
+    Returns the directory pinned, or None when nothing was pinned.
 
     Raises:
-        ValueError: ``K3_FLA_PINNED_CONFIGS`` is none of strict, 1, full, 0.
+        ValueError: ``K3_FLA_PINNED_CONFIGS`` is none of strict, 1, cover, 0.
     """
     env = fla_config_env(device_name, capability, pinned_mode(), root)
     os.environ.update(env)
