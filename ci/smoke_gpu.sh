@@ -38,15 +38,15 @@
 #     once its NCCL communicators were made at start. A per-process cap cannot forbid two processes that sum: the
 #     device holds only the budget because a ballast process (ci/gpu_ballast.py) takes the rest, less
 #     SMOKE_GPU_CONTEXT_GIB (1.5) for the two actors' CUDA contexts.
-#   - the time (one 10-minute device call; an 80 GB H100, 2026-12-05, 83c78ce): the setup, checkpoint 23-26 s
-#     (--device cuda, 8 workers; 14.8 s or 0.81 GB/s on the H200), torch_dist copy 73-77 s (39.9 s on the H200) and
-#     data 4-7 s; then `k3 train`, 82 s to rollout 0 (Ray, the two loads, the startup sync, the first KDA compile) and
-#     20 cycles of 12.7-13.9 s (median 13.0: generation 4.15 s, log-probs 1.54 s, the training step 4.95 s over ~37k
-#     tokens, the sleep and the engine's moves 0.94 s, the sync 0.08 s), 401 s in all. With the inputs on disk, a
-#     run from scratch does not fit one call: a first call makes the checkpoint, copy and data, and a second on the
-#     same warm machine reuses them from SMOKE_GPU_WORK. In RAM (the default since) the setup's ~24 GB of writes go
-#     at memory speed; whether a run from scratch then fits one call is not yet measured. The training run gets what is left of SMOKE_GPU_DEADLINE_S (570 s from the script's
-#     start, less 30 s for the verdict); the tier's criteria say how long it may take.
+#   - the time (one 10-minute device call; an 80 GB H100, 2026-12-05, 2429a66, the inputs in RAM): 446 s in all. The
+#     setup 90 s: the checks 19 s, the checkpoint 12 s (11.97 GB, --device cuda, 8 workers: 1.48 GB/s), the
+#     torch_dist copy 44 s, the data 3 s. Then `k3 train` 354 s: 58 s to the first rollout (Ray, the two loads, the
+#     startup sync, the first KDA compile) and 20 cycles of 12.1-12.5 s (median 12.16: generation 4.08 s, log-probs
+#     1.45 s, the training step 4.73 s over ~37k tokens, the sleep and the engine's moves 0.77 s, the sync 0.04 s).
+#     With the inputs on disk the setup took ~170 s (the checkpoint 26 s, the copy 77 s), too much for one call with
+#     the run: a second call on the same warm machine then reuses them from SMOKE_GPU_WORK. The training run gets
+#     what is left of SMOKE_GPU_DEADLINE_S (570 s from the script's start, less 30 s for the verdict); the tier's
+#     criteria say how long it may take.
 #   - the latest results, and what is not yet measured: docs/PERFORMANCE.md ("GPU checks").
 #
 # Variables: K3_PYTHON; SMOKE_GPU_EXPERTS (8); SMOKE_GPU_MEMORY_GIB (35); SMOKE_GPU_CONTEXT_GIB (1.5);
