@@ -233,6 +233,13 @@ def worker_result(args: list[str], folder, nproc: int = 1, timeout: float = 240.
     return torch.load(Path(folder) / RESULT_FILE, weights_only=False)
 
 
+def _text(output: str | bytes | None) -> str:
+    """What a killed subprocess printed: ``TimeoutExpired`` holds bytes (or None) even for a text-mode run."""
+    if output is None:
+        return ""
+    return output.decode(errors="replace") if isinstance(output, bytes) else output
+
+
 def run_workers(args: list[str], nproc: int = 1, timeout: float = 240.0, env: dict | None = None):
     """Run ``python <args>`` (``nproc == 1``) or ``torchrun --nproc-per-node nproc <args>`` from the repo root
     with one thread per process, a free port on 127.0.0.1 and a timeout; returns the CompletedProcess and
@@ -267,7 +274,13 @@ def run_workers(args: list[str], nproc: int = 1, timeout: float = 240.0, env: di
         else:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
                    "127.0.0.1", "--master-port", str(port), *args]
-        proc = subprocess.run(cmd, cwd=root, env=full_env, capture_output=True, text=True, timeout=timeout)
+        try:
+            proc = subprocess.run(cmd, cwd=root, env=full_env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            # run() kills the workers and keeps what they printed: without it a worker that ran out of time (a GPU
+            # one autotuning fla, say) would leave nothing to say where its time went
+            raise AssertionError(f"{' '.join(cmd)} ran past {timeout:.0f} s and was killed:\n"
+                                 f"{(_text(e.stdout) + _text(e.stderr))[-6000:]}") from None
         out = proc.stdout + proc.stderr
         if proc.returncode == 0 or "EADDRINUSE" not in out or attempt == 2:
             break
