@@ -248,73 +248,75 @@ def _worker(mode: str, out_path: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- the GPU worker
-def _gpu_check() -> dict:
-    """One GPU, no CPU shim: a wide K3 slice (real KDA / MLA head dims) in BF16, packed vs each sequence alone
-    (fla's varlen chunk_kda, torch's varlen FlashAttention), and one training step's gradients packed vs padded."""
+def _gpu_pass(cfg, seqs: list[torch.Tensor], dtype: torch.dtype) -> dict[str, float]:
+    """One dtype: the relative error of each sequence's logits packed vs alone (the worst), and of every LoRA
+    gradient of the recipe's loss, packed row vs the same sequences one by one (the worst)."""
     import torch.nn.functional as F
-    from test_megatron_gpu import _megatron, _reference, _wide_config
+    from test_megatron_gpu import _megatron, _reference
+
+    from k3.lora import LoRAConfig
+    from k3.megatron.lora import apply_megatron_lora
+    from k3.megatron.packed import packed_seq_params
+    from k3.megatron.packing import packed_bounds, sample_mean_weights
+
+    lengths = [len(s) for s in seqs]
+    cu = packed_bounds(lengths)
+    model = _megatron(cfg, _reference(cfg, dtype), dtype)
+    apply_megatron_lora(model, LoRAConfig(rank=8, alpha=16), seed=0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("lora_B"):
+                p.normal_(0.0, 0.02)
+    stream = torch.cat(seqs)[None]
+    model.eval()
+    with torch.no_grad():
+        alone = [model(s[None], None, None)[0].float() for s in seqs]
+        packed = model(stream, None, None, packed_seq_params=packed_seq_params(cu, "cuda"))[0].float()
+    logits_rel = max(((packed[a:b] - x).norm() / x.norm()).item()
+                     for a, b, x in zip(cu[:-1].tolist(), cu[1:].tolist(), alone))
+    model.train()
+    targets = [torch.roll(s, -1) for s in seqs]
+    masks = [torch.ones(n, device="cuda") for n in lengths]
+    for m in masks:
+        m[-1] = 0.0
+
+    def grads(loss: torch.Tensor) -> dict[str, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+        return {n: p.grad.float().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    logits = model(stream, None, None, packed_seq_params=packed_seq_params(cu, "cuda"))[0].float()
+    nll = F.cross_entropy(logits, torch.cat(targets), reduction="none")
+    g_packed = grads((nll * sample_mean_weights(torch.cat(masks), cu, len(seqs))).sum())
+    alone_loss = sum((F.cross_entropy(model(s[None], None, None)[0].float(), t, reduction="none") * m).sum()
+                     / m.sum() / len(seqs) for s, t, m in zip(seqs, targets, masks))
+    g_alone = grads(alone_loss)
+    grad_rel = max(((g_packed[k] - g_alone[k]).norm() / g_alone[k].norm()).item() for k in g_alone)
+    return {"logits_rel": logits_rel, "grad_rel": grad_rel, "grad_count": len(g_alone)}
+
+
+def _gpu_check() -> dict:
+    """One GPU, no CPU shim: a wide K3 slice (real KDA / MLA head dims) in BF16 and float32, packed vs each sequence
+    alone (fla's varlen chunk_kda, torch's varlen FlashAttention): the logits, and every LoRA gradient of the
+    recipe's loss. Each pass's results go to stderr as it ends."""
+    from test_megatron_gpu import _wide_config
 
     from k3.kernels.kda.fla import fla_available
-    from k3.lora import LoRAConfig
-    from k3.settings.parallel import ParallelLayout
-    from k3.megatron.lora import apply_megatron_lora
-    from k3.megatron.packed import _varlen_attn, _varlen_usable, packed_seq_params
-    from k3.megatron.packing import packed_bounds, sample_mean_weights
+    from k3.megatron.packed import _varlen_attn, _varlen_usable
     from k3.megatron.parallel import init_parallel
+    from k3.settings.parallel import ParallelLayout
 
     init_parallel(ParallelLayout.model_parallel())
     cfg = _wide_config()
     out = {"fla": fla_available()}
-    lengths = [200, 37, 513, 64, 130]
     gen = torch.Generator().manual_seed(3)
-    seqs = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).cuda() for n in lengths]
-    cu = packed_bounds(lengths)
+    seqs = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).cuda() for n in (200, 37, 513, 64, 130)]
     q = torch.zeros(1, 4, 8, 192, device="cuda", dtype=torch.bfloat16)
     out["varlen"] = _varlen_usable(q, q[..., :128])
     out["varlen_api"] = _varlen_attn() is not None
     for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
-        ref = _reference(cfg, dtype)
-        model = _megatron(cfg, ref, dtype)
-        apply_megatron_lora(model, LoRAConfig(rank=8, alpha=16), seed=0)
-        with torch.no_grad():
-            for n_, p in model.named_parameters():
-                if n_.endswith("lora_B"):
-                    p.normal_(0.0, 0.02)
-        stream = torch.cat(seqs)[None]
-        model.eval()
-        with torch.no_grad():
-            alone = [model(s[None], None, None)[0].float() for s in seqs]
-            packed = model(stream, None, None, packed_seq_params=packed_seq_params(cu, "cuda"))[0].float()
-        errs = [((packed[a:b] - x).norm() / x.norm()).item() for a, b, x in zip(cu[:-1].tolist(), cu[1:].tolist(), alone)]
-        out[f"{name}_logits_rel"] = max(errs)
-        # gradients of the recipe's loss: packed row vs the same sequences one by one
-        model.train()
-        targets = [torch.roll(s, -1) for s in seqs]
-        masks = [torch.ones(n, device="cuda") for n in lengths]
-        for m in masks:
-            m[-1] = 0.0
-
-        def grads(loss_fn):
-            model.zero_grad(set_to_none=True)
-            loss_fn().backward()
-            return {n_: p.grad.float().clone() for n_, p in model.named_parameters() if p.requires_grad}
-
-        def packed_loss():
-            logits = model(stream, None, None, packed_seq_params=packed_seq_params(cu, "cuda"))[0].float()
-            nll = F.cross_entropy(logits, torch.cat(targets), reduction="none")
-            return (nll * sample_mean_weights(torch.cat(masks), cu, len(seqs))).sum()
-
-        def alone_loss():
-            total = 0
-            for s, t, m in zip(seqs, targets, masks):
-                nll = F.cross_entropy(model(s[None], None, None)[0].float(), t, reduction="none")
-                total = total + (nll * m).sum() / m.sum() / len(seqs)
-            return total
-
-        g_packed, g_alone = grads(packed_loss), grads(alone_loss)
-        out[f"{name}_grad_rel"] = max(((g_packed[k] - g_alone[k]).norm() / g_alone[k].norm()).item() for k in g_alone)
-        out[f"{name}_grad_count"] = len(g_alone)
-        del ref, model
+        out.update({f"{name}_{k}": v for k, v in _gpu_pass(cfg, seqs, dtype).items()})
+        print(json.dumps({"pass": name, **out}), file=sys.stderr, flush=True)  # kept if the next pass runs over
     return out
 
 
