@@ -22,7 +22,9 @@ to look them up). This module
   run on an H100 and spare a fresh host minutes of autotuning; they may not be the H100's fastest (its memory is
   slower). Nothing is pinned when the user set ``FLA_CONFIG_DIR`` or ``FLA_CACHE_MODE`` (theirs wins), when
   ``K3_FLA_PINNED_CONFIGS=0``, when no files were recorded for this GPU or its capability, or when the installed
-  fla-core is not the version they were recorded with.
+  fla-core is not the version they were recorded with. The shipped folder is the H200's, except 22 keys met
+  only by the packed parity check's wide slice (float32, 8 heads of 128; and two BF16 ones), which were
+  autotuned on an H100 (same capability) because no H200 was lent: valid on both, not tuned for the H200.
 
 Where only the numbers matter (the GPU parity tests' workers, ``ci/gpu_megatron.sh``),
 ``K3_FLA_PINNED_CONFIGS=cover`` pins the same folder and widens the lookup (:func:`use_covering_configs`): a key
