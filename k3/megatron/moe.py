@@ -9,7 +9,9 @@ The routing math is megatron's ``topk_routing_with_score_function`` with the sig
 the reference router's (``k3.model.moe.Router``). ``K3Router`` is megatron's base ``Router`` (its gate weight)
 with a frozen float32 ``expert_bias``; it computes the gate logits in float32 with plain torch (megatron's
 ``TopKRouter`` gating GEMM reaches for TransformerEngine's ``te_general_gemm``, undefined without TE, and its
-token counters for bias updates are not needed: K3's correction bias is frozen). The router,
+token counters for bias updates are not needed: K3's correction bias is frozen). Like ``TopKRouter`` it takes
+megatron's routing replay (``moe_enable_routing_replay``, ``RouterReplay``): record each token's top-k experts,
+or route on given ones (the probabilities are still the scores of those experts, renormalized). The router,
 latent projections and latent norm act per token on the sequence-parallel shard (gradients summed over TP
 by megatron under SP); routed experts are expert-parallel with no tensor parallelism (ETP = 1).
 """
@@ -20,6 +22,7 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
 from megatron.core.transformer.moe.router import Router
+from megatron.core.transformer.moe.router_replay import RouterReplay
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher
 from torch import nn
 
@@ -53,12 +56,15 @@ class K3Router(Router):
             raise ValueError("moe_renormalize=false: megatron's sigmoid routing always renormalizes the top-k")
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32,
                                                         device=self.weight.device))
+        # megatron's routing replay (moe_enable_routing_replay, as its TopKRouter): record each token's top-k
+        # experts, or route on recorded ones; None routes freshly
+        self.router_replay = RouterReplay() if config.moe_enable_routing_replay else None
 
     def routing(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``logits [tokens, E]`` float32 -> ``(probs [tokens, E], routing_map [tokens, E] bool)``."""
         return topk_routing_with_score_function(
             logits, self.topk, score_function="sigmoid", expert_bias=self.expert_bias.float(),
-            scaling_factor=self.scaling)
+            scaling_factor=self.scaling, router_replay=self.router_replay)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [s, b, hidden]`` -> ``(probs, routing_map)``, both ``[s·b, E]``."""

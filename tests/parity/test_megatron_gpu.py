@@ -43,13 +43,13 @@ def _reference(cfg, dtype):
     return ref.to(device="cuda", dtype=dtype)
 
 
-def _megatron(cfg, ref, dtype, dispatcher="alltoall"):
+def _megatron(cfg, ref, dtype, dispatcher="alltoall", **overrides):
     from k3.megatron.checkpoint import load_hf_state_dict
     from k3.megatron.config import k3_transformer_config
     from k3.megatron.model import k3_model_provider
 
     model = k3_model_provider(k3_transformer_config(cfg, params_dtype=dtype, dispatcher=dispatcher,
-                                                    perform_initialization=False)).cuda()
+                                                    perform_initialization=False, **overrides)).cuda()
     load_hf_state_dict(model, ref.state_dict(), cfg)
     return model
 
