@@ -36,6 +36,10 @@ RANK, ALPHA = 4, 8.0
 # step 3 within 9e-3; the bounds leave a factor of 2. A sequence that sees another is off by O(1).
 LOSS_REL = 1e-5
 GRAD_TOLS = (5e-4, 5e-3, 2e-2)
+# The wide slice in BF16, packed vs each sequence alone on the routing each chose alone (RoutingReplay). Measured on
+# CPU (the torch forms, two runs): logits 2.2e-2, gradients 3.3–3.6e-2 relative; routed freshly, 5.5–12.5% of the
+# token choices flipped an expert and the logits were 0.24–0.26 off. A sequence that sees another is off by O(1).
+BF16_LOGITS_REL, BF16_GRAD_REL = 5e-2, 1e-1
 # name -> (tp, ep, pp, cp, recompute); on 2 ranks (ep2 is DP2 x EP2). Recompute: megatron's full (uniform, 1 layer,
 # the recipe's) or selective with every module K3 recomputes (the MoE's all-to-all recomputed in the backward)
 LAYOUTS = {"tp2": (2, 1, 1, 1, None), "cp2": (1, 1, 1, 2, None), "pp2": (1, 1, 2, 1, None),
@@ -348,7 +352,7 @@ class RoutingReplay:
 
 
 # ---------------------------------------------------------------------------------------------- the GPU worker
-def _gpu_pass(cfg, seqs: list[torch.Tensor], dtype: torch.dtype) -> dict[str, float]:
+def _packed_vs_alone(cfg, seqs: list[torch.Tensor], dtype: torch.dtype) -> dict[str, float]:
     """One dtype, each sequence alone vs the packed stream on the routing the sequences chose alone
     (:class:`RoutingReplay`): the relative error of the logits (the worst sequence), of every LoRA gradient of the
     recipe's loss (the worst), and, routed freshly, the share of tokens whose experts change and the logits' error."""
@@ -408,34 +412,50 @@ def _gpu_pass(cfg, seqs: list[torch.Tensor], dtype: torch.dtype) -> dict[str, fl
     return out
 
 
-def _gpu_check() -> dict:
-    """One GPU, no CPU shim: a wide K3 slice (real KDA / MLA head dims) in BF16 and float32, packed vs each sequence
-    alone (fla's varlen chunk_kda, torch's varlen FlashAttention): the logits, and every LoRA gradient of the
-    recipe's loss. Each pass's results go to stderr as it ends."""
+def _wide_inputs() -> tuple:
+    """The GPU check's model config (a wide K3 slice: real KDA / MLA head dims) and its five sequences (on CUDA,
+    or wherever the megatron shim puts ``.cuda()``), after ``init_parallel`` at TP1."""
     from test_megatron_gpu import _wide_config
 
-    from k3.kernels.kda.fla import fla_available
-    from k3.megatron.packed import _varlen_attn, _varlen_usable
     from k3.megatron.parallel import init_parallel
     from k3.settings.parallel import ParallelLayout
 
     init_parallel(ParallelLayout.model_parallel())
     cfg = _wide_config()
-    out = {"fla": fla_available()}
     gen = torch.Generator().manual_seed(3)
-    seqs = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).cuda() for n in (200, 37, 513, 64, 130)]
+    return cfg, [torch.randint(0, cfg.vocab_size, (n,), generator=gen).cuda() for n in (200, 37, 513, 64, 130)]
+
+
+def _gpu_check() -> dict:
+    """One GPU, no CPU shim: the wide slice in BF16 and float32, packed vs each sequence alone (fla's varlen
+    chunk_kda, torch's varlen FlashAttention): the logits, and every LoRA gradient of the recipe's loss. Each
+    pass's results go to stderr as it ends."""
+    from k3.kernels.kda.fla import fla_available
+    from k3.megatron.packed import _varlen_attn, _varlen_usable
+
+    cfg, seqs = _wide_inputs()
+    out = {"fla": fla_available()}
     q = torch.zeros(1, 4, 8, 192, device="cuda", dtype=torch.bfloat16)
     out["varlen"] = _varlen_usable(q, q[..., :128])
     out["varlen_api"] = _varlen_attn() is not None
     for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
-        out.update({f"{name}_{k}": v for k, v in _gpu_pass(cfg, seqs, dtype).items()})
+        out.update({f"{name}_{k}": v for k, v in _packed_vs_alone(cfg, seqs, dtype).items()})
         print(json.dumps({"pass": name, **out}), file=sys.stderr, flush=True)  # kept if the next pass runs over
     return out
 
 
+def _bf16_on_cpu() -> dict:
+    """The GPU check's BF16 pass at its shape on CPU (the megatron shim, the torch KDA and attention forms)."""
+    import megatron_compat
+
+    megatron_compat.install()
+    cfg, seqs = _wide_inputs()
+    return _packed_vs_alone(cfg, seqs, torch.bfloat16)
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "gpu":
-        print(json.dumps(_gpu_check()))
+    if sys.argv[1] in ("gpu", "bf16_on_cpu"):
+        print(json.dumps(_gpu_check() if sys.argv[1] == "gpu" else _bf16_on_cpu()))
     else:
         _worker(sys.argv[1], sys.argv[2])
 
@@ -541,6 +561,17 @@ def test_bad_inputs_are_input_errors(results, name, match):
     assert re.search(match, results["errors"][name]), results["errors"][name]
 
 
+@pytest.mark.slow
+def test_bf16_packed_equals_each_sequence_alone_on_the_replayed_routing():
+    from megatron_compat import run_workers
+
+    proc = run_workers([__file__, "bf16_on_cpu"], nproc=1, timeout=400)
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(r)
+    assert r["grad_count"] > 0 and 0.0 <= r["fresh_tokens_flipped"] < 1.0, r
+    assert r["logits_rel"] < BF16_LOGITS_REL and r["grad_rel"] < BF16_GRAD_REL, r
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_packed_equals_each_sequence_alone_on_gpu():
@@ -556,7 +587,7 @@ def test_packed_equals_each_sequence_alone_on_gpu():
     # on the routing each sequence chose alone (RoutingReplay; routed freshly, the tokens whose experts flip are
     # reported, not bounded)
     assert r["fp32_logits_rel"] < 5e-3, r  # fla's float32 kernels use TF32 dot products
-    assert r["bf16_logits_rel"] < 3e-2, r
+    assert r["bf16_logits_rel"] < BF16_LOGITS_REL, r
     assert r["fp32_grad_rel"] < 2e-2, r
-    assert r["bf16_grad_rel"] < 1e-1, r
+    assert r["bf16_grad_rel"] < BF16_GRAD_REL, r
     assert r["bf16_grad_count"] == r["fp32_grad_count"] > 0, r
