@@ -379,13 +379,16 @@ def _packed_vs_alone(cfg, seqs: list[torch.Tensor], dtype: torch.dtype) -> dict[
     def packed_logits():
         return model(stream, None, None, packed_seq_params=packed_seq_params(cu, "cuda"))[0].float()
 
+    def alone_logits(seq):
+        return model(seq[None], None, None)[0].float()
+
     def worst(packed):
         return max(((packed[a:b] - x).norm() / x.norm()).item()
                    for a, b, x in zip(cu[:-1].tolist(), cu[1:].tolist(), alone))
 
     model.eval()
     with torch.no_grad():
-        alone = routing.record(lambda s: model(s[None], None, None)[0].float(), seqs)
+        alone = routing.record(alone_logits, seqs)
         fresh, flipped = routing.fresh(packed_logits)
         out = {"logits_rel": worst(routing.replay(packed_logits)), "fresh_logits_rel": worst(fresh),
                "fresh_tokens_flipped": flipped}
@@ -400,9 +403,8 @@ def _packed_vs_alone(cfg, seqs: list[torch.Tensor], dtype: torch.dtype) -> dict[
         loss.backward()
         return {n: p.grad.float().clone() for n, p in model.named_parameters() if p.requires_grad}
 
-    alone_nll = routing.record(lambda s: F.cross_entropy(model(s[None], None, None)[0].float(),
-                                                         torch.roll(s, -1), reduction="none"), seqs)
-    alone_loss = sum((nll * m).sum() / m.sum() / len(seqs) for nll, m in zip(alone_nll, masks))
+    alone_loss = sum((F.cross_entropy(logits, t, reduction="none") * m).sum() / m.sum() / len(seqs)
+                     for logits, t, m in zip(routing.record(alone_logits, seqs), targets, masks))
     nll = F.cross_entropy(routing.replay(packed_logits), torch.cat(targets), reduction="none")
     g_packed = grads((nll * sample_mean_weights(torch.cat(masks), cu, len(seqs))).sum())
     g_alone = grads(alone_loss)

@@ -215,13 +215,17 @@ def test_a_key_takes_the_narrowest_recorded_key_that_covers_it(key, expected):
 
 
 class _FakeCache:
-    """What use_covering_configs needs of fla.ops.utils.cache: its exact lookup and its config folder."""
+    """What use_covering_configs needs of fla.ops.utils.cache: its exact lookup, its config folder and its reader
+    (None for a missing file, as fla's)."""
 
     def __init__(self, folder):
         self.folder, self.exact_calls = folder, []
 
     def get_fla_config_dir(self):
         return self.folder
+
+    def read_config_file(self, path):
+        return json.loads(path.read_text()) if path.exists() else None
 
     def load_cached_config(self, kernel_name, autotune_key=None):
         self.exact_calls.append(kernel_name)

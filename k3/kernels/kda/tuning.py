@@ -254,7 +254,8 @@ def covering_entry(entries: Mapping[str, Mapping[str, Any]], key: list | tuple) 
 
 
 def use_covering_configs(cache: types.ModuleType) -> None:
-    """Widen fla's lookup (``cache``: the imported ``fla.ops.utils.cache``, pinned in strict mode) to covering keys:
+    """Widen fla's lookup (``cache``: the imported ``fla.ops.utils.cache``, pinned in strict mode; its
+    ``load_cached_config``, ``get_fla_config_dir`` and ``read_config_file`` are used) to covering keys:
     an exact key's config as before, else the config recorded for the narrowest key that covers it, else None
     (fla autotunes). Unlike fla's own full mode, which takes the first entry of the same structure whatever its
     numbers, it never hands a wide shape a config recorded for a narrower one (the tiny model's configs at K3 head
@@ -267,11 +268,9 @@ def use_covering_configs(cache: types.ModuleType) -> None:
         found = exact(kernel_name, autotune_key)
         if found is not None or autotune_key is None:
             return found
-        path = Path(cache.get_fla_config_dir()) / f"{kernel_name}.json"
-        try:
-            entries = json.loads(path.read_text()).get("autotune_entries") or {}
-        except (OSError, ValueError):
-            return None
+        # fla's own reader: parsed once per file and process, None for a missing or malformed one
+        data = cache.read_config_file(Path(cache.get_fla_config_dir()) / f"{kernel_name}.json")
+        entries = (data or {}).get("autotune_entries") or {}
         key = json.loads(json.dumps(list(autotune_key.autotune_key)))  # tuples to lists, as the files hold them
         entry = covering_entry(entries, key)
         return None if entry is None else dict(entry["config"])
